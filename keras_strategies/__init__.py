@@ -1,0 +1,60 @@
+"""keras_strategies: the `tf.distribute.Strategy` API for Keras 3 on TensorFlow, JAX and PyTorch.
+
+Import it as `import keras_strategies as ks`; names follow `tf.distribute`, so
+switching is `s/tf.distribute/ks/`. Importing changes nothing for Keras code
+that never enters a strategy scope.
+"""
+
+from keras_strategies import devices as _devices
+from keras_strategies import keras_hooks as _keras_hooks
+from keras_strategies.context import (
+    ReplicaContext,
+    experimental_set_strategy,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from keras_strategies.devices import list_devices, set_virtual_cpu_devices
+from keras_strategies.input_context import (
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    RunOptions,
+    ValueContext,
+)
+from keras_strategies.losses import compute_average_loss, scale_regularization_loss
+from keras_strategies.one_device import OneDeviceStrategy
+from keras_strategies.reduce_op import ReduceOp
+from keras_strategies.strategy import Strategy, StrategyExtended
+from keras_strategies.values import DistributedValues, Mirrored, PerReplica
+
+__version__ = "0.1.0"
+
+_devices.configure_from_environment()
+_keras_hooks.install()
+
+__all__ = [
+    "DistributedValues",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "Mirrored",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "RunOptions",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+    "compute_average_loss",
+    "experimental_set_strategy",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "list_devices",
+    "scale_regularization_loss",
+    "set_virtual_cpu_devices",
+]

@@ -1,0 +1,3 @@
+"""JAX engine."""
+
+from keras_strategies.backend.jax import devices  # noqa: F401

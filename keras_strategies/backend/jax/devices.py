@@ -1,0 +1,63 @@
+"""JAX devices: the host platform can be split into several CPU devices."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import jax
+from jax._src import xla_bridge
+
+
+def set_virtual_cpu_devices(count: int) -> None:
+    """Asks XLA for `count` host-platform CPU devices (before JAX initialises)."""
+    if xla_bridge.backends_are_initialized():
+        have = len(jax.devices("cpu"))
+        if have == count:
+            return
+        raise RuntimeError(
+            f"Cannot give JAX {count} virtual CPU devices: it has already initialised its "
+            f"devices ({have} CPU device(s)). Call ks.set_virtual_cpu_devices() or set "
+            "KERAS_STRATEGIES_CPU_DEVICES before any JAX operation runs."
+        )
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def _platform_name(platform: str) -> str:
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def list_devices() -> list[str]:
+    """Local devices as `"<type>:<index>"`, accelerators first."""
+    accelerators = [d for d in jax.local_devices() if d.platform != "cpu"]
+    names = [f"{_platform_name(d.platform)}:{i}" for i, d in enumerate(accelerators)]
+    names += [f"cpu:{i}" for i, _ in enumerate(jax.local_devices(backend="cpu"))]
+    return names
+
+
+def jax_device(name: str) -> "jax.Device":
+    kind, index = name.split(":")
+    if kind == "cpu":
+        return jax.local_devices(backend="cpu")[int(index)]
+    return [d for d in jax.local_devices() if _platform_name(d.platform) == kind][int(index)]
+
+
+@contextlib.contextmanager
+def device_scope(name: str) -> Iterator[None]:
+    """Places arrays created inside on device `name`."""
+    with jax.default_device(jax_device(name)):
+        yield
+
+
+def device_of(value: Any) -> str:
+    """The device holding an array or variable, as `"<type>:<index>"`."""
+    array = getattr(value, "value", value)
+    (device,) = array.devices()
+    kind = _platform_name(device.platform)
+    same_kind = [d for d in jax.local_devices(backend=device.platform)]
+    return f"{kind}:{same_kind.index(device)}"
+
+
+def copy_to(value: Any, name: str) -> Any:
+    """A copy of array `value` on device `name`."""
+    return jax.device_put(value, jax_device(name))

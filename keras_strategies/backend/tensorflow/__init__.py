@@ -1,0 +1,3 @@
+"""TensorFlow engine."""
+
+from keras_strategies.backend.tensorflow import devices  # noqa: F401

@@ -1,0 +1,3 @@
+"""PyTorch engine."""
+
+from keras_strategies.backend.torch import devices  # noqa: F401

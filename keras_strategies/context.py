@@ -1,0 +1,168 @@
+"""The strategy stack: which strategy is current, and whether code runs per replica.
+
+Mirrors `tf.distribute`: outside every scope the default strategy is current
+and code is in its (only) replica context; `strategy.scope()` enters
+cross-replica context; `strategy.run(fn)` runs `fn` in a replica context.
+The stack is thread-local so that replicas run in threads see their own context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+from keras_strategies.reduce_op import ReduceOp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from keras_strategies.strategy import Strategy
+
+
+class _Frame:
+    __slots__ = ("strategy", "replica_context")
+
+    def __init__(self, strategy: "Strategy", replica_context: Optional["ReplicaContext"]):
+        self.strategy = strategy
+        self.replica_context = replica_context
+
+
+class _Stack(threading.local):
+    def __init__(self):
+        self.frames: list[_Frame] = []
+        # Set by `experimental_set_strategy`: a scope entered without a `with`.
+        self.set_scope: Optional[contextlib.AbstractContextManager] = None
+
+
+_stack = _Stack()
+
+
+def _top() -> Optional[_Frame]:
+    return _stack.frames[-1] if _stack.frames else None
+
+
+@contextlib.contextmanager
+def enter_frame(strategy: "Strategy", replica_context: Optional["ReplicaContext"]) -> Iterator[None]:
+    """Pushes a (strategy, context) frame; `replica_context=None` means cross-replica."""
+    _stack.frames.append(_Frame(strategy, replica_context))
+    try:
+        yield
+    finally:
+        _stack.frames.pop()
+
+
+def current_frames() -> list:
+    """A copy of this thread's frames, to install in a replica thread."""
+    return list(_stack.frames)
+
+
+@contextlib.contextmanager
+def frames_installed(frames: list) -> Iterator[None]:
+    """Runs code in another thread with the frames of the thread that started it."""
+    saved = _stack.frames
+    _stack.frames = list(frames)
+    try:
+        yield
+    finally:
+        _stack.frames = saved
+
+
+def get_strategy() -> "Strategy":
+    """The current strategy: the innermost scope's, else the default strategy."""
+    top = _top()
+    if top is not None:
+        return top.strategy
+    from keras_strategies.strategy import default_strategy
+
+    return default_strategy()
+
+
+def has_strategy() -> bool:
+    """True when a strategy other than the default one is current."""
+    from keras_strategies.strategy import is_default
+
+    top = _top()
+    return top is not None and not is_default(top.strategy)
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a non-default `strategy.scope()` but outside `strategy.run`."""
+    top = _top()
+    return top is not None and top.replica_context is None
+
+
+def get_replica_context() -> Optional["ReplicaContext"]:
+    """The replica context, `None` in cross-replica context.
+
+    Outside every scope this is the default strategy's context (replica 0 of 1).
+    """
+    top = _top()
+    if top is None:
+        from keras_strategies.strategy import default_strategy
+
+        return default_strategy()._default_replica_context
+    return top.replica_context
+
+
+def get_cross_replica_context() -> Optional["Strategy"]:
+    """The current strategy when in cross-replica context, else `None`."""
+    top = _top()
+    if top is None:
+        return None
+    return top.strategy if top.replica_context is None else None
+
+
+def experimental_set_strategy(strategy: Optional["Strategy"]) -> None:
+    """Makes `strategy` current without a `with` block; `None` clears it."""
+    if _stack.set_scope is not None:
+        scope, _stack.set_scope = _stack.set_scope, None
+        scope.__exit__(None, None, None)
+    if strategy is not None:
+        scope = strategy.scope()
+        scope.__enter__()
+        _stack.set_scope = scope
+
+
+class ReplicaContext:
+    """What code inside `strategy.run` sees: its replica id and collectives.
+
+    Collectives are delegated to the strategy's extended object, which uses the
+    backend engine; with one replica they return the value unchanged.
+    """
+
+    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int):
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+
+    @property
+    def strategy(self) -> "Strategy":
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self) -> tuple:
+        return (self._strategy.extended.worker_devices[self._replica_id % len(self._strategy.extended.worker_devices)],)
+
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
+        """Reduces a nested structure across replicas; every replica gets the result."""
+        return self._strategy.extended._all_reduce(self, ReduceOp.parse(reduce_op), value)
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        """Concatenates a nested structure across replicas along `axis` (sizes may differ)."""
+        return self._strategy.extended._all_gather(self, value, axis)
+
+    def merge_call(self, merge_fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """Calls `merge_fn(strategy, *args)` once in cross-replica context."""
+        return self._strategy.extended._merge_call(self, merge_fn, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )

@@ -1,0 +1,84 @@
+"""Hooks that connect Keras objects to the strategy they were built under.
+
+Installed once at import. Each hook first checks whether a strategy is
+involved and otherwise calls Keras' own code unchanged, so models built
+outside every strategy scope behave exactly as without this package.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from keras.src.backend.common import variables as keras_variables
+from keras.src.models import model as keras_model
+from keras.src.trainers import trainer as keras_trainer
+
+from keras_strategies import context
+
+# Model methods whose work runs under the model's strategy.
+KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+_STRATEGY_ATTR = "_ks_strategy"
+
+
+def strategy_of(obj: Any):
+    """The strategy `obj` (a model or variable) was created under, or `None`."""
+    return getattr(obj, _STRATEGY_ATTR, None)
+
+
+def _record_current_strategy(obj: Any) -> None:
+    if context.has_strategy():
+        object.__setattr__(obj, _STRATEGY_ATTR, context.get_strategy())
+
+
+def _wrap_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _record_current_strategy(self)
+
+    __init__._ks_original = original
+    return __init__
+
+
+def _wrap_compile(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        if context.has_strategy():
+            current, own = context.get_strategy(), strategy_of(self)
+            if own is not None and own is not current:
+                raise ValueError(
+                    f"This model was created under {own!r} but is compiled under {current!r}. "
+                    "Build and compile a model inside the scope of one strategy."
+                )
+            object.__setattr__(self, _STRATEGY_ATTR, current)
+        return original(self, *args, **kwargs)
+
+    compile._ks_original = original
+    return compile
+
+
+def _wrap_method(name: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        strategy = strategy_of(self)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        return strategy.extended._run_keras_method(name, original, self, args, kwargs)
+
+    method._ks_original = original
+    return method
+
+
+def install() -> None:
+    """Installs the hooks (idempotent)."""
+    trainer_cls, model_cls = keras_trainer.Trainer, keras_model.Model
+    variable_cls = keras_variables.Variable
+    if hasattr(trainer_cls.__init__, "_ks_original"):
+        return
+    trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
+    variable_cls.__init__ = _wrap_init(variable_cls.__init__)
+    model_cls.compile = _wrap_compile(model_cls.compile)
+    for name in KERAS_METHODS:
+        setattr(model_cls, name, _wrap_method(name, getattr(model_cls, name)))

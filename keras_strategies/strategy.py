@@ -1,0 +1,287 @@
+"""`Strategy`, `StrategyExtended` and the default strategy, shared by every backend.
+
+A strategy owns a list of replica devices. `scope()` makes it current (and the
+variables, models and optimizers built inside belong to it); `run` calls a
+function once per replica in replica context; `reduce` / `gather` combine
+per-replica results on the host. Collectives between replicas are delegated to
+the extended object, which subclasses specialise per strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from keras import ops
+
+from keras_strategies import context
+from keras_strategies.backend import engine
+from keras_strategies.input_context import ValueContext
+from keras_strategies.reduce_op import ReduceOp
+from keras_strategies.values import (
+    DistributedValues,
+    PerReplica,
+    is_distributed,
+    map_structure,
+    regroup,
+    select_replica,
+)
+
+
+class StrategyExtended:
+    """Strategy internals (`strategy.extended`): devices, per-replica calls, reductions."""
+
+    def __init__(self, container_strategy: "Strategy", devices: Sequence[str]):
+        self._container = container_strategy
+        self._devices = tuple(devices)
+
+    # --- devices -------------------------------------------------------------
+    @property
+    def worker_devices(self) -> tuple:
+        """The compute devices of this worker's replicas, in replica order."""
+        return self._devices
+
+    @property
+    def parameter_devices(self) -> tuple:
+        """The devices holding variables."""
+        return self._devices
+
+    @property
+    def host_device(self) -> str:
+        """Where cross-replica results (`reduce`, `gather`) are placed."""
+        return "cpu:0"
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self._devices)
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        return False
+
+    @property
+    def should_checkpoint(self) -> bool:
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        return True
+
+    def variable_created_in_scope(self, variable: Any) -> bool:
+        """True only for variables created inside this strategy's scope."""
+        return getattr(variable, "_ks_strategy", None) is self._container
+
+    @contextlib.contextmanager
+    def _scope_placement(self) -> Iterator[None]:
+        """Device placement while in `scope()`; none by default."""
+        yield
+
+    # --- replica execution ---------------------------------------------------
+    def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        results = []
+        for replica_id, device in enumerate(self._devices):
+            replica_context = context.ReplicaContext(self._container, replica_id)
+            with context.enter_frame(self._container, replica_context), engine.devices.device_scope(device):
+                results.append(fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs)))
+        return regroup(results)
+
+    def _merge_call(self, replica_context: "context.ReplicaContext", merge_fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.num_replicas_in_sync != 1:
+            raise NotImplementedError(f"{type(self).__name__} has no merge_call for several replicas.")
+        with context.enter_frame(self._container, None):
+            return merge_fn(self._container, *args, **kwargs)
+
+    def _all_reduce(self, replica_context: "context.ReplicaContext", reduce_op: ReduceOp, value: Any) -> Any:
+        if self.num_replicas_in_sync != 1:
+            raise NotImplementedError(f"{type(self).__name__} has no all_reduce for several replicas.")
+        return value
+
+    def _all_gather(self, replica_context: "context.ReplicaContext", value: Any, axis: int) -> Any:
+        if self.num_replicas_in_sync != 1:
+            raise NotImplementedError(f"{type(self).__name__} has no all_gather for several replicas.")
+        return value
+
+    # --- Keras integration --------------------------------------------------
+    def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+        """Runs a Keras `fit`/`evaluate`/`predict`/`*_on_batch` call of a model built in scope.
+
+        With one replica the model's own step runs in that replica's context,
+        on its device; multi-replica strategies override this.
+        """
+        if self.num_replicas_in_sync != 1:
+            raise NotImplementedError(f"{type(self).__name__} cannot run Keras `{name}` yet.")
+        replica_context = context.ReplicaContext(self._container, 0)
+        with self._container.scope(), context.enter_frame(self._container, replica_context):
+            with engine.devices.device_scope(self._devices[0]):
+                return method(model, *args, **kwargs)
+
+    # --- cross-replica reductions --------------------------------------------
+    def _on_host(self, value: Any) -> Any:
+        return engine.devices.copy_to(ops.convert_to_tensor(value), self.host_device)
+
+    def _cross_replica_sum(self, components: Sequence[Any]) -> Any:
+        """Sum of this worker's components on the host (multi-worker strategies extend it)."""
+        total = self._on_host(components[0])
+        for component in components[1:]:
+            total = ops.add(total, self._on_host(component))
+        return total
+
+    def _reduce(self, reduce_op: ReduceOp, value: Any, axis: Optional[int]) -> Any:
+        if not is_distributed(value):
+            if reduce_op == ReduceOp.SUM and self.num_replicas_in_sync > 1:
+                raise ValueError(
+                    f"A non-DistributedValues value {value!r} cannot be reduced with the given "
+                    f"reduce op {reduce_op}: with {self.num_replicas_in_sync} replicas its sum "
+                    "is ambiguous. Reduce the per-replica result of `strategy.run` instead."
+                )
+            components = [value]
+            replica_count = 1
+        else:
+            components = list(value.values)
+            replica_count = self.num_replicas_in_sync
+        if axis is None:
+            total = self._cross_replica_sum(components)
+            if reduce_op == ReduceOp.MEAN:
+                total = ops.divide(total, ops.cast(replica_count, total.dtype))
+            return total
+        sums = [ops.sum(ops.convert_to_tensor(c), axis=axis) for c in components]
+        total = self._cross_replica_sum(sums)
+        if reduce_op == ReduceOp.SUM:
+            return total
+        count = self._cross_replica_sum([ops.convert_to_tensor(ops.shape(c)[axis], "float32") for c in components])
+        return ops.divide(total, ops.cast(count, total.dtype))
+
+    def _gather(self, value: Any, axis: int) -> Any:
+        components = value.values if is_distributed(value) else (value,)
+        tensors = [self._on_host(c) for c in components]
+        if any(len(t.shape) == 0 for t in tensors):
+            raise ValueError(
+                "`gather` needs values of rank >= 1 (it concatenates along `axis`); got a "
+                "scalar. Reshape the per-replica value to rank 1 first."
+            )
+        return ops.concatenate(tensors, axis=axis) if len(tensors) > 1 else tensors[0]
+
+
+class Strategy:
+    """Base class of every strategy (same API as `tf.distribute.Strategy`)."""
+
+    def __init__(self, extended: StrategyExtended):
+        self._extended = extended
+        self._default_replica_context = context.ReplicaContext(self, 0)
+
+    @property
+    def extended(self) -> StrategyExtended:
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas' gradients are combined in each step (all workers)."""
+        return self._extended.num_replicas_in_sync
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver of multi-worker strategies, else `None`."""
+        return None
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Strategy"]:
+        """Makes this strategy current; what is built inside belongs to it.
+
+        Nesting the same strategy's scope is fine; entering another strategy's
+        scope while this one is active raises `RuntimeError`.
+        """
+        current = context.get_strategy() if context.current_frames() else None
+        if current is self:
+            yield self
+            return
+        if current is not None:
+            raise RuntimeError(
+                f"Mixing different distribution strategies: a {type(current).__name__} scope "
+                f"is active and a {type(self).__name__} scope was entered inside it. Leave the "
+                "first scope (or use the same strategy object) before entering another."
+            )
+        replica_context = self._default_replica_context if is_default(self) else None
+        with context.enter_frame(self, replica_context), self._extended._scope_placement():
+            yield self
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, options: Any = None) -> Any:
+        """Calls `fn` once per replica in replica context and regroups the results.
+
+        `PerReplica` arguments are unpacked per replica; other arguments are
+        passed unchanged to every replica.
+        """
+        return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+
+    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: Optional[int]) -> Any:
+        """Combines per-replica values across replicas (and along `axis`, if given) on the host.
+
+        With `axis`, `MEAN` divides by the total number of elements along that
+        axis over all replicas, so uneven shards are weighted correctly.
+        """
+        op = ReduceOp.parse(reduce_op)
+        return map_structure(lambda v: self._extended._reduce(op, v, axis), value)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates per-replica values along `axis` on the host (shards may differ in size)."""
+        if context.get_replica_context() is not None and not is_default(self) and context.has_strategy():
+            raise RuntimeError("`strategy.gather` is for cross-replica context; inside `run` use "
+                               "`ks.get_replica_context().all_gather`.")
+        return map_structure(lambda v: self._extended._gather(v, axis), value)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """This worker's per-replica components of `value` (a plain value gives `(value,)`)."""
+        if isinstance(value, DistributedValues):
+            return value.values
+        leaves_are_distributed = []
+        map_structure(lambda v: leaves_are_distributed.append(is_distributed(v)), value)
+        if any(leaves_are_distributed):
+            return tuple(select_replica(i, value) for i in range(len(self._extended.worker_devices)))
+        return (value,)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """Calls `value_fn(ValueContext)` once per replica and returns the values as `PerReplica`."""
+        values = []
+        for replica_id, device in enumerate(self._extended.worker_devices):
+            with engine.devices.device_scope(device):
+                values.append(value_fn(ValueContext(replica_id, self.num_replicas_in_sync)))
+        return values[0] if len(values) == 1 else PerReplica(values)
+
+    def group(self, value: Any, name: Optional[str] = None) -> Any:
+        """The local results of `value` (TF groups them into one op; eager code needs nothing)."""
+        return self.experimental_local_results(value)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"
+
+
+class _DefaultExtended(StrategyExtended):
+    def variable_created_in_scope(self, variable: Any) -> bool:
+        return getattr(variable, "_ks_strategy", None) is None
+
+
+class _DefaultStrategy(Strategy):
+    """The pass-through strategy current outside every scope: one replica, no placement."""
+
+    def __init__(self):
+        super().__init__(_DefaultExtended(self, ["cpu:0"]))
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, options: Any = None) -> Any:
+        with context.enter_frame(self, self._default_replica_context):
+            return fn(*args, **(kwargs or {}))
+
+    def __repr__(self) -> str:
+        return "DefaultStrategy()"
+
+
+_DEFAULT: list = []
+
+
+def default_strategy() -> Strategy:
+    """The singleton default strategy."""
+    if not _DEFAULT:
+        _DEFAULT.append(_DefaultStrategy())
+    return _DEFAULT[0]
+
+
+def is_default(strategy: Any) -> bool:
+    return isinstance(strategy, _DefaultStrategy)

@@ -1,0 +1,105 @@
+"""Distributed values: one value per replica, as `tf.distribute.DistributedValues`.
+
+`PerReplica` holds values that may differ between replicas (what `run` returns,
+dataset elements); `Mirrored` holds values kept identical on every replica.
+`regroup` turns a list of per-replica results back into one structure.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+class DistributedValues:
+    """Base class for a value that has one component per local replica."""
+
+    def __init__(self, values: Sequence[Any]):
+        self._values = tuple(values)
+
+    @property
+    def values(self) -> tuple:
+        """The per-replica components, in replica order (this worker only)."""
+        return self._values
+
+    def _get_on_replica(self, replica_id: int) -> Any:
+        return self._values[replica_id]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        inner = ",\n  ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n  {inner}\n}}"
+
+
+class PerReplica(DistributedValues):
+    """Values that are not synchronized across replicas."""
+
+
+class Mirrored(DistributedValues):
+    """Values kept identical on every replica."""
+
+
+def is_distributed(value: Any) -> bool:
+    return isinstance(value, DistributedValues)
+
+
+def _is_leaf(value: Any) -> bool:
+    return not isinstance(value, (list, tuple, dict))
+
+
+def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
+    """Maps `fn` over matching leaves; lists, tuples (incl. namedtuples) and dicts are nodes.
+
+    Distributed values are leaves, so the structure of a `PerReplica` is preserved.
+    """
+    first = structures[0]
+    if isinstance(first, dict):
+        return type(first)((k, map_structure(fn, *(s[k] for s in structures))) for k in first)
+    if isinstance(first, (list, tuple)):
+        items = [map_structure(fn, *parts) for parts in zip(*structures)]
+        if hasattr(first, "_fields"):  # namedtuple
+            return type(first)(*items)
+        return type(first)(items)
+    return fn(*structures)
+
+
+def flatten(structure: Any) -> list:
+    leaves: list = []
+    map_structure(leaves.append, structure)
+    return leaves
+
+
+def select_replica(replica_id: int, structure: Any) -> Any:
+    """The component of every distributed leaf of `structure` for one replica."""
+    return map_structure(
+        lambda v: v._get_on_replica(replica_id) if is_distributed(v) else v, structure
+    )
+
+
+def _same_python_value(values: Sequence[Any]) -> bool:
+    first = values[0]
+    if all(v is first for v in values):
+        return True
+    if isinstance(first, (int, float, str, bool, type(None))) and not isinstance(first, np.generic):
+        return all(type(v) is type(first) and v == first for v in values)
+    return False
+
+
+def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica) -> Any:
+    """Inverse of `select_replica`: a list of per-replica structures becomes one structure.
+
+    Leaves that are the same object (or equal Python scalars / `None`) on every
+    replica collapse to that value, as in `tf.distribute` (returning `3` gives `3`).
+    """
+    if len(per_replica) == 1:
+        return per_replica[0]
+
+    def merge(*leaves):
+        if _same_python_value(leaves):
+            return leaves[0]
+        return wrap_class(leaves)
+
+    return map_structure(merge, *per_replica)

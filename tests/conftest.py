@@ -1,0 +1,26 @@
+"""Test set-up shared by every backend run.
+
+The backend comes from KERAS_BACKEND (set by `make test`). Every test process
+gets 4 virtual CPU devices before the backend initialises, so tests can use
+1 to 4 replicas through device subsets.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_STRATEGIES_CPU_DEVICES", "4")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+import keras_strategies  # noqa: E402,F401  (applies the device count)
+
+BACKEND = keras.backend.backend()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    """Each test starts from the same seed and an empty Keras session."""
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(1337)
+    yield
