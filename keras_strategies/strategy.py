@@ -255,6 +255,9 @@ class Strategy:
 
 
 class _DefaultExtended(StrategyExtended):
+    def _on_host(self, value: Any) -> Any:
+        return ops.convert_to_tensor(value)  # no placement: values stay where they are
+
     def variable_created_in_scope(self, variable: Any) -> bool:
         return getattr(variable, "_ks_strategy", None) is None
 

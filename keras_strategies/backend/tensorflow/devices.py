@@ -45,7 +45,8 @@ def device_scope(name: str) -> Iterator[None]:
 
 def device_of(value: Any) -> str:
     """The device holding a tensor or variable, as `"<type>:<index>"`."""
-    spec = tf.DeviceSpec.from_string(value.device)
+    tensor = getattr(value, "value", value)  # a Keras variable wraps a tf.Variable
+    spec = tf.DeviceSpec.from_string(tensor.device)
     return f"{spec.device_type.lower()}:{spec.device_index}"
 
 

@@ -1,0 +1,50 @@
+"""Importing keras_strategies changes nothing for Keras code outside strategy scopes."""
+
+import keras
+import numpy as np
+
+import keras_strategies as ks
+from keras_strategies.keras_hooks import KERAS_METHODS, strategy_of
+
+
+def test_models_and_variables_outside_scopes_have_no_strategy():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    assert strategy_of(model) is None
+    assert all(strategy_of(v) is None for v in model.weights)
+    assert strategy_of(keras.Variable(1.0)) is None
+
+
+def test_hooks_keep_keras_signatures_and_docs():
+    for name in KERAS_METHODS:
+        method = getattr(keras.Model, name)
+        assert method.__doc__ == method._ks_original.__doc__
+        assert method.__name__ == name
+
+
+def test_plain_keras_training_is_unchanged():
+    x, y = np.full((4, 1), 2.0, "float32"), np.ones((4, 1), "float32")
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)])
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.01))
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    # Two SGD steps by hand: w <- w - lr * 2 * (2w - 1) * 2.
+    w, losses = 1.0, []
+    for _ in range(2):
+        losses.append((2 * w - 1) ** 2)
+        w -= 0.01 * 4 * (2 * w - 1)
+    np.testing.assert_allclose(history.history["loss"], losses, rtol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[0], [[w]], rtol=1e-6)
+    np.testing.assert_allclose(model.predict(x, verbose=0), np.full((4, 1), 2 * w), rtol=1e-6)
+
+
+def test_a_model_compiled_under_another_strategy_is_refused():
+    first, second = ks.OneDeviceStrategy("cpu:0"), ks.OneDeviceStrategy("cpu:1")
+    with first.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    with second.scope():
+        try:
+            model.compile(loss="mse", optimizer="sgd")
+        except ValueError as error:
+            assert "created under" in str(error)
+        else:
+            raise AssertionError("compiling under another strategy must raise ValueError")

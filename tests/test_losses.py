@@ -1,0 +1,100 @@
+"""`compute_average_loss` and `scale_regularization_loss` golden values (reference §2.4-2.5)."""
+
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_strategies as ks
+
+
+def as_float(value):
+    return float(ops.convert_to_numpy(value))
+
+
+class TwoReplicaStrategy(ks.Strategy):
+    """Two replicas on two virtual CPU devices, from the public base classes."""
+
+    def __init__(self):
+        super().__init__(ks.StrategyExtended(self, ["cpu:0", "cpu:1"]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({}, 2.5),
+        ({"global_batch_size": 8}, 1.25),
+        ({"sample_weight": [1.0, 0.0, 1.0, 0.0]}, 1.0),  # divisor is not sum(sample_weight)
+        ({"global_batch_size": 0}, 0.0),
+        ({"global_batch_size": np.int64(8)}, 1.25),
+    ],
+)
+def test_golden_values_without_strategy(kwargs, expected):
+    assert as_float(ks.compute_average_loss([1.0, 2.0, 3.0, 4.0], **kwargs)) == pytest.approx(expected)
+
+
+def test_non_batch_axes_are_summed_too():
+    assert as_float(ks.compute_average_loss(np.ones((2, 3), "float32"))) == pytest.approx(3.0)
+
+
+def test_sample_weight_of_shape_batch_by_one_applies_per_example():
+    losses = np.array([1.0, 2.0, 3.0, 4.0], "float32")
+    weights = np.array([[1.0], [0.0], [1.0], [0.0]], "float32")
+    assert as_float(ks.compute_average_loss(losses, sample_weight=weights)) == pytest.approx(1.0)
+    assert as_float(ks.compute_average_loss(losses[:, None], sample_weight=weights[:, 0])) == pytest.approx(1.0)
+
+
+def test_backend_tensors_are_accepted_and_dtype_is_kept():
+    losses = ops.convert_to_tensor(np.array([1.0, 2.0], "float32"))
+    result = ks.compute_average_loss(losses, global_batch_size=ops.convert_to_tensor(4))
+    assert "float32" in str(result.dtype)
+    assert as_float(result) == pytest.approx(0.75)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="at least rank 1"):
+        ks.compute_average_loss(3.0)
+    with pytest.raises(TypeError, match="global_batch_size must be an integer"):
+        ks.compute_average_loss([1.0, 2.0], global_batch_size=2.0)
+    with pytest.raises(ValueError, match="global_batch_size must be non-negative"):
+        ks.compute_average_loss([1.0, 2.0], global_batch_size=-1)
+    with pytest.raises(ValueError, match="global_batch_size must be scalar"):
+        ks.compute_average_loss([1.0, 2.0], global_batch_size=ops.convert_to_tensor([2, 2]))
+
+
+def test_cross_replica_context_needs_global_batch_size():
+    strategy = ks.OneDeviceStrategy("cpu:0")
+    with strategy.scope():
+        with pytest.raises(RuntimeError, match="compute_average_loss` in cross replica context"):
+            ks.compute_average_loss([1.0, 2.0])
+        assert as_float(ks.compute_average_loss([1.0, 2.0], global_batch_size=4)) == pytest.approx(0.75)
+        with pytest.raises(RuntimeError, match="scale_regularization_loss` in cross replica context"):
+            ks.scale_regularization_loss([1.0])
+
+
+def test_uneven_replicas_default_divisor_is_local_batch_times_replicas():
+    strategy = TwoReplicaStrategy()
+    losses = ks.PerReplica([np.array([1.0, 2.0, 3.0], "float32"), np.array([4.0], "float32")])
+    per_replica = strategy.run(ks.compute_average_loss, args=(losses,))
+    assert [as_float(v) for v in per_replica.values] == pytest.approx([1.0, 2.0])
+    assert as_float(strategy.reduce("sum", per_replica, axis=None)) == pytest.approx(3.0)
+
+    exact = strategy.run(lambda l: ks.compute_average_loss(l, global_batch_size=10), args=(losses,))
+    assert [as_float(v) for v in exact.values] == pytest.approx([0.6, 0.4])
+    assert as_float(strategy.reduce("sum", exact, axis=None)) == pytest.approx(1.0)
+
+
+def test_scale_regularization_loss_divides_by_replicas():
+    assert as_float(ks.scale_regularization_loss([1.0, 3.0])) == pytest.approx(4.0)
+    strategy = TwoReplicaStrategy()
+    scaled = strategy.run(ks.scale_regularization_loss, args=([1.0, 3.0],))
+    assert [as_float(v) for v in scaled.values] == pytest.approx([2.0, 2.0])
+    # A list of tensors such as `model.losses`.
+    parts = [ops.convert_to_tensor(1.0), ops.convert_to_tensor(np.array([1.0, 2.0], "float32"))]
+    assert as_float(strategy.run(ks.scale_regularization_loss, args=(parts,)).values[0]) == pytest.approx(2.0)
+
+
+def test_empty_replica_gives_zero_not_nan():
+    strategy = TwoReplicaStrategy()
+    losses = ks.PerReplica([np.array([1.0, 2.0], "float32"), np.zeros((0,), "float32")])
+    per_replica = strategy.run(ks.compute_average_loss, args=(losses,))
+    assert [as_float(v) for v in per_replica.values] == pytest.approx([0.75, 0.0])
