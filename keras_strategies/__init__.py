@@ -7,6 +7,12 @@ that never enters a strategy scope.
 
 from keras_strategies import devices as _devices
 from keras_strategies import keras_hooks as _keras_hooks
+from keras_strategies.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
 from keras_strategies.context import (
     ReplicaContext,
     experimental_set_strategy,
@@ -24,6 +30,7 @@ from keras_strategies.input_context import (
     ValueContext,
 )
 from keras_strategies.losses import compute_average_loss, scale_regularization_loss
+from keras_strategies.mirrored import MirroredStrategy
 from keras_strategies.one_device import OneDeviceStrategy
 from keras_strategies.reduce_op import ReduceOp
 from keras_strategies.strategy import Strategy, StrategyExtended
@@ -35,7 +42,12 @@ _devices.configure_from_environment()
 _keras_hooks.install()
 
 __all__ = [
+    "CrossDeviceOps",
     "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "ReductionToOneDevice",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",

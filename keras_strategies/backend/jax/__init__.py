@@ -1,3 +1,5 @@
 """JAX engine."""
 
 from keras_strategies.backend.jax import devices  # noqa: F401
+from keras_strategies.backend.jax import compiler  # noqa: F401
+from keras_strategies.backend.jax import gradients  # noqa: F401

@@ -1,3 +1,5 @@
 """TensorFlow engine."""
 
 from keras_strategies.backend.tensorflow import devices  # noqa: F401
+from keras_strategies.backend.tensorflow import compiler  # noqa: F401
+from keras_strategies.backend.tensorflow import gradients  # noqa: F401

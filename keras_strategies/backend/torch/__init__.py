@@ -1,3 +1,5 @@
 """PyTorch engine."""
 
 from keras_strategies.backend.torch import devices  # noqa: F401
+from keras_strategies.backend.torch import compiler  # noqa: F401
+from keras_strategies.backend.torch import gradients  # noqa: F401

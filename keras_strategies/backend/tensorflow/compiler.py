@@ -1,0 +1,11 @@
+"""TensorFlow compilation: `tf.function`; the caller's device scope places the ops."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+
+def compile_function(fn: Callable) -> Callable:
+    return tf.function(fn, reduce_retracing=True)

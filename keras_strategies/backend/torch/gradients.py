@@ -1,0 +1,26 @@
+"""PyTorch gradients: `torch.autograd.grad` over fresh leaves for the trainable values."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from keras.src import tree
+
+
+def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:
+    """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`."""
+
+    def wrapped(trainable, *args):
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in trainable]
+        objective, aux = fn(leaves, *args)
+        differentiable = [leaf for leaf in leaves if leaf.requires_grad]
+        found = iter(torch.autograd.grad(objective, differentiable, allow_unused=True))
+        grads = []
+        for leaf in leaves:
+            grad = next(found) if leaf.requires_grad else None
+            grads.append(torch.zeros_like(leaf) if grad is None else grad)
+        detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return (objective.detach(), tree.map_structure(detach, aux)), grads
+
+    return wrapped

@@ -1,0 +1,53 @@
+"""`MirroredStrategy`: synchronous data parallelism over the devices of one machine."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from keras_strategies import context
+from keras_strategies.backend import engine
+from keras_strategies.cross_device_ops import CrossDeviceOps, select_cross_device_ops
+from keras_strategies.devices import default_compute_devices, resolve_devices
+from keras_strategies.strategy import Strategy, StrategyExtended
+
+
+class MirroredExtended(StrategyExtended):
+    def __init__(self, container, devices: Sequence[str], cross_device_ops: Optional[CrossDeviceOps]):
+        super().__init__(container, devices)
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise ValueError(
+                f"cross_device_ops must be a ks.CrossDeviceOps (e.g. ks.ReductionToOneDevice()), "
+                f"got {cross_device_ops!r}."
+            )
+        self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._devices)
+
+    @property
+    def host_device(self) -> str:
+        return self._devices[0]
+
+    @contextlib.contextmanager
+    def _scope_placement(self) -> Iterator[None]:
+        # The primary copy of every variable lives on the first replica device.
+        with engine.devices.device_scope(self._devices[0]):
+            yield
+
+    def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+        from keras_strategies.trainer.loops import LOOPS
+
+        with self._container.scope():
+            return LOOPS[name](model, self._container, *args, **kwargs)
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training on several devices of one machine.
+
+    `devices=None` means every local accelerator, or every (virtual) CPU
+    device when there is none. Each global batch is split across the
+    replicas; gradients are summed with `cross_device_ops` (chosen as
+    TensorFlow does when `None`) and one identical update is applied.
+    """
+
+    def __init__(self, devices: Optional[Sequence[str]] = None, cross_device_ops: Optional[CrossDeviceOps] = None):
+        chosen = default_compute_devices() if devices is None else resolve_devices(devices)
+        super().__init__(MirroredExtended(self, chosen, cross_device_ops))

@@ -1,0 +1,215 @@
+"""`fit` / `evaluate` / `predict` / `*_on_batch` for models built under a multi-replica strategy.
+
+The loops follow Keras' own (callbacks, progress bar, History, validation,
+`steps_per_epoch`, `initial_epoch`, `class_weight`), read any Keras input
+(NumPy, `tf.data`, `PyDataset`, generators, torch `DataLoader`) as global
+NumPy batches, and hand each batch to a `ReplicaStep`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+from keras.src import backend as keras_backend
+from keras.src import callbacks as callbacks_module
+from keras.src import optimizers as optimizers_module
+from keras.src import tree
+from keras.src.backend import config
+from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+from keras.src.trainers.epoch_iterator import EpochIterator
+from keras.src.utils.python_utils import pythonify_logs
+
+from keras_strategies.trainer.replica_step import ReplicaStep
+
+_STEP_ATTR = "_ks_replica_step"
+
+
+def replica_step(model: Any, strategy: Any) -> ReplicaStep:
+    """The model's step runner, rebuilt when the model is recompiled."""
+    step = getattr(model, _STEP_ATTR, None)
+    key = (id(strategy), id(model.optimizer), id(model._compile_loss), model.run_eagerly)
+    if step is None or step._key != key:
+        step = ReplicaStep(model, strategy)
+        step._key = key
+        object.__setattr__(model, _STEP_ATTR, step)
+    return step
+
+
+def _set_mode(model: Any, training: bool) -> None:
+    """Torch modules track train/eval mode; other backends pass `training` explicitly."""
+    mode = getattr(model, "train" if training else "eval", None)
+    if callable(mode):
+        mode()
+
+
+def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+        validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, sample_weight=None,
+        initial_epoch=0, steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
+        validation_freq=1):
+    model._assert_compile_called("fit")
+    max_epochs = config.max_epochs()
+    if max_epochs and max_epochs < epochs:
+        warnings.warn("Limiting epochs to %d" % max_epochs)
+        epochs = max_epochs
+    if validation_split and validation_data is None:
+        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=validation_split
+        )
+    if validation_data is not None:
+        val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+
+    epoch_iterator = EpochIterator(
+        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+        shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
+    )
+    model._symbolic_build(iterator=epoch_iterator)
+    epoch_iterator.reset()
+    if not isinstance(callbacks, callbacks_module.CallbackList):
+        callbacks = callbacks_module.CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
+            steps=epoch_iterator.num_batches, model=model,
+        )
+    step = replica_step(model, strategy)
+    model.stop_training = False
+    training_logs = {}
+    logs = {}
+    callbacks.on_train_begin()
+    initial_epoch = model._initial_epoch or initial_epoch
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        _set_mode(model, True)
+        logs = {}
+        for begin_step, end_step, batches in epoch_iterator:
+            callbacks.on_train_batch_begin(begin_step)
+            for data in batches:
+                logs = step.train_step(data)
+            callbacks.on_train_batch_end(end_step, logs)
+            if model.stop_training:
+                break
+        epoch_logs = dict(model._get_metrics_result_or_logs(logs))
+        _set_mode(model, False)
+        if validation_data is not None and model._should_eval(epoch, validation_freq):
+            val_logs = evaluate(
+                model, strategy, x=val_x, y=val_y, sample_weight=val_sample_weight,
+                batch_size=validation_batch_size or batch_size, steps=validation_steps,
+                callbacks=callbacks, return_dict=True,
+            )
+            epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        training_logs = epoch_logs
+        if model.stop_training:
+            break
+    if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
+    callbacks.on_train_end(logs=training_logs)
+    return model.history
+
+
+def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+             steps=None, callbacks=None, return_dict=False, **kwargs):
+    kwargs.pop("_use_cached_eval_dataset", None)
+    if kwargs:
+        raise ValueError(f"Arguments not recognized: {kwargs}")
+    epoch_iterator = EpochIterator(
+        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
+        shuffle=False, steps_per_execution=model.steps_per_execution,
+    )
+    model._symbolic_build(iterator=epoch_iterator)
+    epoch_iterator.reset()
+    if not isinstance(callbacks, callbacks_module.CallbackList):
+        callbacks = callbacks_module.CallbackList(
+            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+            steps=epoch_iterator.num_batches, model=model,
+        )
+    step = replica_step(model, strategy)
+    _set_mode(model, False)
+    model.stop_evaluating = False
+    callbacks.on_test_begin()
+    logs = {}
+    model.reset_metrics()
+    for begin_step, end_step, batches in epoch_iterator:
+        callbacks.on_test_batch_begin(begin_step)
+        for data in batches:
+            logs = step.test_step(data)
+        callbacks.on_test_batch_end(end_step, logs)
+        if model.stop_evaluating:
+            break
+    logs = pythonify_logs(model._get_metrics_result_or_logs(logs))
+    callbacks.on_test_end(logs)
+    if return_dict:
+        return logs
+    return model._flatten_metrics_in_order(logs)
+
+
+def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    epoch_iterator = EpochIterator(
+        x=x, batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
+        steps_per_execution=model.steps_per_execution,
+    )
+    if not isinstance(callbacks, callbacks_module.CallbackList):
+        callbacks = callbacks_module.CallbackList(
+            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+            steps=epoch_iterator.num_batches, model=model,
+        )
+    step = replica_step(model, strategy)
+    _set_mode(model, False)
+    model.stop_predicting = False
+    callbacks.on_predict_begin()
+    outputs = None
+    batch_outputs = None
+    for begin_step, end_step, batches in epoch_iterator:
+        callbacks.on_predict_batch_begin(begin_step)
+        for data in batches:
+            batch_outputs = tree.map_structure(keras_backend.convert_to_numpy, step.predict_step(data))
+            if outputs is None:
+                outputs = tree.map_structure(lambda output: [output], batch_outputs)
+            else:
+                tree.map_structure_up_to(batch_outputs, lambda acc, out: acc.append(out), outputs, batch_outputs)
+        callbacks.on_predict_batch_end(end_step, {"outputs": batch_outputs})
+        if model.stop_predicting:
+            break
+    callbacks.on_predict_end()
+    return tree.map_structure_up_to(batch_outputs, np.concatenate, outputs)
+
+
+def train_on_batch(model, strategy, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+    model._assert_compile_called("train_on_batch")
+    if class_weight is not None:
+        if sample_weight is not None:
+            raise ValueError(
+                "Arguments `sample_weight` and `class_weight` cannot be specified at the same time. "
+                f"Received: sample_weight={sample_weight}, class_weight={class_weight}"
+            )
+        sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+    data = (x, y, sample_weight)
+    model._symbolic_build(data_batch=data)
+    model.reset_metrics()
+    logs = pythonify_logs(replica_step(model, strategy).train_step(data))
+    return logs if return_dict else model._flatten_metrics_in_order(logs)
+
+
+def test_on_batch(model, strategy, x, y=None, sample_weight=None, return_dict=False):
+    model._assert_compile_called("test_on_batch")
+    data = (x, y, sample_weight)
+    model._symbolic_build(data_batch=data)
+    model.reset_metrics()
+    logs = pythonify_logs(replica_step(model, strategy).test_step(data))
+    return logs if return_dict else model._flatten_metrics_in_order(logs)
+
+
+def predict_on_batch(model, strategy, x):
+    outputs = replica_step(model, strategy).predict_step((x,))
+    return tree.map_structure(keras_backend.convert_to_numpy, outputs)
+
+
+LOOPS = {
+    "fit": fit,
+    "evaluate": evaluate,
+    "predict": predict,
+    "train_on_batch": train_on_batch,
+    "test_on_batch": test_on_batch,
+    "predict_on_batch": predict_on_batch,
+}
