@@ -1,0 +1,168 @@
+"""Run a script as N local workers of one multi-worker job, on any Keras backend.
+
+    python -m keras_strategies.launch --workers 2 train.py --epochs 3
+    python -m keras_strategies.launch --workers 3 --chief --backend jax -m my.module
+    keras-strategies-launch --workers 2 --devices-per-worker 2 --timeout 600 train.py
+
+Every worker is `python script.py args...` with its own `TF_CONFIG` (free
+ports on 127.0.0.1), so multi-worker strategies find their peers; output lines
+are prefixed with the task (`[worker 0] ...`). The exit code is 0 when all
+workers succeed, else the first failing worker's code (128 + S when killed by
+signal S), 130/143 when the launcher is interrupted, 124 on `--timeout`; any
+failure stops all workers. From Python, call `launch(...)`.
+
+This module imports only the standard library (no Keras or backend), so the
+launcher itself stays light whatever the workers run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from keras_strategies.launcher.cluster import free_ports, tf_config_for
+from keras_strategies.launcher.supervisor import DEFAULT_GRACE, TIMEOUT_EXIT_CODE, launch
+
+__all__ = [
+    "TIMEOUT_EXIT_CODE",
+    "build_parser",
+    "free_ports",
+    "launch",
+    "main",
+    "split_command",
+    "tf_config_for",
+]
+
+BACKENDS = ("tensorflow", "jax", "torch")
+# Launcher options that take a value: the first other non-option token starts the command.
+_VALUE_OPTIONS = frozenset(
+    {"-n", "--workers", "--devices-per-worker", "--backend", "--timeout", "--grace"}
+)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's options; the command after them is split off by `split_command`."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if prog != "keras-strategies-launch":
+        prog = "python -m keras_strategies.launch"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage="%(prog)s [options] (script.py | -m module) [args ...]",
+        description="Run a Python script (or module) as N local workers of one multi-worker "
+        "job, each with its own TF_CONFIG on 127.0.0.1. Everything after the script or "
+        "module name is passed to it unchanged.",
+        epilog="Exit code: 0 if all workers succeed; else the first failing worker's code "
+        "(128+S if killed by signal S), 130/143 on SIGINT/SIGTERM, "
+        f"{TIMEOUT_EXIT_CODE} on timeout, 2 on bad arguments.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("-n", "--workers", type=_positive_int, default=2, metavar="N",
+                        help="number of worker processes (default: 2)")
+    parser.add_argument("--devices-per-worker", type=_positive_int, metavar="K",
+                        help="virtual CPU devices per worker (sets KERAS_STRATEGIES_CPU_DEVICES)")
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="Keras backend of the workers (sets KERAS_BACKEND; default: inherited)")
+    parser.add_argument("--chief", action="store_true",
+                        help="make process 0 the chief (a 'chief' job) and the rest workers")
+    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
+                        help="stop all workers and fail if the job is not done by then")
+    parser.add_argument("--grace", type=_non_negative_float, default=DEFAULT_GRACE,
+                        metavar="SECONDS",
+                        help="time between SIGTERM and SIGKILL when stopping workers "
+                        f"(default: {DEFAULT_GRACE:g})")
+    return parser
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Splits argv into (launcher options, command) at the script, `-m` or `--`.
+
+    Done by hand rather than with argparse.REMAINDER so that the script's own
+    arguments (even `--workers` or `--`) reach it unchanged.
+    """
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i], argv[i + 1 :]
+        if token == "-m" or (token.startswith("-m") and not token.startswith("--")):
+            return argv[:i], ["-m", token[2:], *argv[i + 1 :]] if token != "-m" else argv[i:]
+        if token in _VALUE_OPTIONS:
+            i += 2
+        elif token.startswith("-") and token != "-":
+            i += 1
+        else:
+            return argv[:i], argv[i:]
+    return argv, []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `keras-strategies-launch` command; returns the exit code (2 for bad arguments)."""
+    parser = build_parser()
+    options, command = split_command(sys.argv[1:] if argv is None else argv)
+    try:
+        ns = parser.parse_args(options)
+        if not command:
+            parser.error("missing the script to run: give script.py [args ...] or -m module [args ...]")
+        module = command[0] == "-m"
+        if module:
+            if len(command) < 2 or not command[1]:
+                parser.error("-m needs a module name, e.g. -m my_package.train")
+            target, args = command[1], command[2:]
+        else:
+            target, args = command[0], command[1:]
+            if not os.path.isfile(target):
+                parser.error(f"script {target!r} not found (cwd: {os.getcwd()})")
+    except SystemExit as exit_:  # argparse reports errors (2) and --help (0) this way
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+    try:
+        return launch(
+            target,
+            args,
+            workers=ns.workers,
+            devices_per_worker=ns.devices_per_worker,
+            backend=ns.backend,
+            chief=ns.chief,
+            timeout=ns.timeout,
+            module=module,
+            grace=ns.grace,
+        )
+    except (OSError, ValueError) as error:
+        print(f"keras_strategies.launch: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

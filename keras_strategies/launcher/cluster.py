@@ -1,0 +1,78 @@
+"""Cluster layout for local multi-worker jobs: free ports and `TF_CONFIG`.
+
+Every worker learns the cluster and its own role from the `TF_CONFIG`
+environment variable, the format `tf.distribute` multi-worker strategies read.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Sequence, Union
+
+LOCALHOST = "127.0.0.1"
+
+Address = Union[str, int]
+
+
+def free_ports(n: int, host: str = LOCALHOST) -> list[int]:
+    """`n` distinct TCP ports that are free on `host` right now.
+
+    All sockets stay bound until every port is picked, so the ports are
+    unique; they are closed before returning so workers can bind them (another
+    process could still grab one in between; that race is inherent).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"The number of ports must be an int >= 0, got {n!r}.")
+    sockets = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _address(address: Address) -> str:
+    return f"{LOCALHOST}:{address}" if isinstance(address, int) else str(address)
+
+
+def cluster_spec(addresses: Sequence[Address], chief: bool = False) -> dict[str, list[str]]:
+    """`{"worker": [...]}`, or `{"chief": [first], "worker": [rest]}` with `chief=True`.
+
+    Integers in `addresses` are ports on 127.0.0.1.
+    """
+    addresses = [_address(a) for a in addresses]
+    if not addresses:
+        raise ValueError("A cluster needs at least one address.")
+    if chief:
+        return {"chief": addresses[:1], "worker": addresses[1:]}
+    return {"worker": addresses}
+
+
+def task_for(index: int, num_tasks: int, chief: bool = False) -> dict[str, object]:
+    """The `TF_CONFIG` task of process `index` (0-based over all processes)."""
+    if not 0 <= index < num_tasks:
+        raise ValueError(f"Task index {index!r} is out of range for {num_tasks} process(es).")
+    if chief:
+        return {"type": "chief", "index": 0} if index == 0 else {"type": "worker", "index": index - 1}
+    return {"type": "worker", "index": index}
+
+
+def task_name(task: dict[str, object]) -> str:
+    """`"worker 1"`, `"chief 0"`: how the launcher names a task in output and messages."""
+    return f"{task['type']} {task['index']}"
+
+
+def tf_config_for(index: int, addresses: Sequence[Address], chief: bool = False) -> dict[str, object]:
+    """The `TF_CONFIG` (as a dict; `json.dumps` it) for process `index` of the cluster.
+
+    >>> tf_config_for(1, [5000, 5001])
+    {'cluster': {'worker': ['127.0.0.1:5000', '127.0.0.1:5001']}, 'task': {'type': 'worker', 'index': 1}}
+    """
+    return {
+        "cluster": cluster_spec(addresses, chief=chief),
+        "task": task_for(index, len(addresses), chief=chief),
+    }

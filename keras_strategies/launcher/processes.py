@@ -1,0 +1,210 @@
+"""Worker processes: own process group, line-prefixed output, exit notification.
+
+Each worker runs in its own session/process group so that stopping it also
+stops anything it started (data loaders, backend helper processes): the
+launcher signals the whole group, and no grandchild outlives the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable, Iterable, Sequence
+
+_POSIX = os.name == "posix"
+_PROC_STAT = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
+
+
+def exit_code(returncode: int) -> int:
+    """A `Popen.returncode` as a shell reports it: killed by signal S -> 128 + S."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """`"exited with code 3"` / `"was killed by SIGKILL (exit code 137)"`, for messages."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (exit code {exit_code(returncode)})"
+    return f"exited with code {returncode}"
+
+
+class LineWriter:
+    """Writes whole lines to a text stream; the shared lock keeps lines from interleaving.
+
+    A stream that stops accepting output (closed pipe, `| head`) is ignored from
+    then on, so workers never block on a full pipe.
+    """
+
+    def __init__(self, stream: IO[str], lock: threading.Lock) -> None:
+        self._stream = stream
+        self._lock = lock
+        self._broken = False
+
+    def write_line(self, text: str) -> None:
+        with self._lock:
+            if self._broken:
+                return
+            try:
+                try:
+                    self._stream.write(text + "\n")
+                except UnicodeEncodeError:
+                    encoding = getattr(self._stream, "encoding", None) or "ascii"
+                    safe = text.encode(encoding, "backslashreplace").decode(encoding)
+                    self._stream.write(safe + "\n")
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._broken = True
+
+
+def _pump(pipe: IO[bytes], prefix: str, writer: LineWriter) -> None:
+    """Copies `pipe` to `writer` line by line, each line prefixed with the task name."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            if line.endswith("\n"):
+                line = line[:-2] if line.endswith("\r\n") else line[:-1]
+            writer.write_line(prefix + line)
+
+
+class WorkerProcess:
+    """One running worker: its process group, two output pumps and a waiter thread.
+
+    `on_exit(worker, returncode)` is called from the waiter thread once the
+    worker process itself has exited (its grandchildren may still run).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        env: dict[str, str],
+        stdout: LineWriter,
+        stderr: LineWriter,
+        on_exit: Callable[["WorkerProcess", int], None],
+    ) -> None:
+        self.name = name
+        self.returncode: int | None = None
+        if _POSIX:
+            group = {"start_new_session": True}
+        else:  # pragma: no cover - Windows
+            group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}
+        self.process = subprocess.Popen(
+            list(command),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            **group,
+        )
+        self.pid = self.process.pid
+        prefix = f"[{name}] "
+        self._threads = [
+            threading.Thread(target=self._wait, args=(on_exit,), daemon=True),
+            threading.Thread(target=_pump, args=(self.process.stdout, prefix, stdout), daemon=True),
+            threading.Thread(target=_pump, args=(self.process.stderr, prefix, stderr), daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _wait(self, on_exit: Callable[["WorkerProcess", int], None]) -> None:
+        returncode = self.process.wait()
+        self.returncode = returncode
+        on_exit(self, returncode)
+
+    def terminate(self) -> None:
+        """SIGTERM to the worker's whole process group."""
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to the worker's whole process group."""
+        self._signal(getattr(signal, "SIGKILL", signal.SIGTERM))
+
+    def _signal(self, sig: int) -> None:
+        if _POSIX:
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        elif self.returncode is None:  # pragma: no cover - Windows
+            self.process.terminate() if sig == signal.SIGTERM else self.process.kill()
+
+    def join(self, timeout: float) -> None:
+        """Waits (at most `timeout` s) for the exit notification and the end of its output."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def live_groups(pgids: Iterable[int]) -> set[int]:
+    """The process groups among `pgids` that still have a live (non-zombie) member.
+
+    Zombies are ignored: orphans are reparented to PID 1, which in containers
+    may never reap them, and a zombie runs nothing.
+    """
+    wanted = set(pgids)
+    live: set[int] = set()
+    if not wanted:
+        return live
+    if _PROC_STAT:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as stat_file:
+                    stat = stat_file.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(b")") + 2 :].split()  # state, ppid, pgrp, ...
+            if len(fields) > 2 and fields[0] not in (b"Z", b"X") and int(fields[2]) in wanted:
+                live.add(int(fields[2]))
+        return live
+    for pgid in wanted:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        live.add(pgid)
+    return live
+
+
+def _alive(workers: Sequence[WorkerProcess]) -> list[WorkerProcess]:
+    if _POSIX:
+        groups = live_groups(w.pid for w in workers)
+        return [w for w in workers if w.pid in groups or w.returncode is None]
+    return [w for w in workers if w.returncode is None]  # pragma: no cover - Windows
+
+
+def stop_all(
+    workers: Sequence[WorkerProcess],
+    grace: float,
+    hurry: Callable[[], bool] = lambda: False,
+    poll: float = 0.05,
+) -> None:
+    """SIGTERM every worker group still alive, then SIGKILL what is left after `grace` s.
+
+    `hurry()` returning True (e.g. a second Ctrl-C) skips the rest of the grace period.
+    """
+    remaining = _alive(workers)
+    for worker in remaining:
+        worker.terminate()
+    deadline = time.monotonic() + grace
+    while remaining and time.monotonic() < deadline and not hurry():
+        time.sleep(poll)
+        remaining = _alive(remaining)
+    if not remaining:
+        return
+    for worker in remaining:
+        worker.kill()
+    deadline = time.monotonic() + 5.0
+    while remaining and time.monotonic() < deadline:
+        time.sleep(poll)
+        remaining = _alive(remaining)

@@ -1,0 +1,441 @@
+"""The local multi-worker launcher, with real worker processes.
+
+Workers are tiny scripts written to tmp_path that never import Keras, so these
+tests take seconds on every backend. Each worker records its pid (and its
+grandchild's) in files, so tests can prove that nothing is left running.
+"""
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from keras_strategies import launch as launch_module
+from keras_strategies.launch import free_ports, launch, main, split_command, tf_config_for
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="the launcher tests use POSIX signals")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# One worker script for every test: argv[1] is a JSON plan {"worker 0": {"do": ...}, "*": ...}
+# keyed by the task name the launcher prints, so each worker can behave differently.
+WORKER = textwrap.dedent(
+    r'''
+    import json, os, signal, subprocess, sys, time
+
+    config = json.loads(os.environ["TF_CONFIG"])
+    task = config["task"]
+    name = f"{task['type']} {task['index']}"
+    plan = json.loads(sys.argv[1])
+    step = plan.get(name, plan.get("*", {"do": "report"}))
+    pid_dir = os.environ["PID_DIR"]
+
+    def note_pid(label, pid):
+        path = os.path.join(pid_dir, f"{name.replace(' ', '-')}.{label}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(pid))
+        os.replace(path + ".tmp", path)
+
+    def wait_for(files):
+        deadline = time.monotonic() + 20
+        while not all(os.path.exists(os.path.join(pid_dir, f)) for f in files):
+            if time.monotonic() > deadline:
+                sys.exit("peer files never appeared: %s" % files)
+            time.sleep(0.02)
+
+    note_pid("pid", os.getpid())
+    do = step["do"]
+    if do == "report":
+        keys = ["KERAS_BACKEND", "KERAS_STRATEGIES_CPU_DEVICES", "PYTHONUNBUFFERED",
+                "KERAS_STRATEGIES_LAUNCHED", "EXTRA", "UNSET_ME"]
+        print(json.dumps({"config": config, "argv": sys.argv[2:],
+                          "env": {k: os.environ.get(k) for k in keys}}))
+        print("a line on stderr", file=sys.stderr)
+    elif do == "chatter":  # many lines, each written in pieces
+        for i in range(step["lines"]):
+            for piece in (f"line {i} ", "of ", name, "\n"):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    elif do == "sleep":
+        if step.get("ignore_term"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if step.get("grandchild"):
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            note_pid("grandchild", child.pid)
+        note_pid("ready", os.getpid())
+        print("sleeping", flush=True)
+        time.sleep(60)
+    elif do == "exit":
+        wait_for(step.get("wait_for", []))
+        print("failing on purpose", file=sys.stderr, flush=True)
+        sys.exit(step["code"])
+    elif do == "kill_self":
+        wait_for(step.get("wait_for", []))
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(step.get("code", 0))
+    '''
+)
+
+
+
+LINE = re.compile(r"^\[(worker|chief) (\d+)\] (.*)$")
+
+
+def _running(pid):
+    """True if `pid` is a live process; zombies (exited, never reaped by PID 1) count as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """A worker script plus a pid directory; kills any recorded pid left over by a failing test."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    monkeypatch.setenv("PID_DIR", str(pid_dir))
+
+    class Job:
+        path = str(script)
+        pids = pid_dir
+
+        @staticmethod
+        def recorded_pids():
+            return {p.name: int(p.read_text()) for p in pid_dir.iterdir() if not p.name.endswith(".tmp")}
+
+        @staticmethod
+        def wait_for_files(names, timeout=60.0):
+            deadline = time.monotonic() + timeout
+            while not all((pid_dir / n).exists() for n in names):
+                assert time.monotonic() < deadline, f"workers never wrote {names}"
+                time.sleep(0.05)
+
+    yield Job
+    for pid in set(Job.recorded_pids().values()):
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _run(job, plan, **kwargs):
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    code = launch(job.path, [json.dumps(plan), *kwargs.pop("args", [])], stdout=out, stderr=err, **kwargs)
+    return code, out.getvalue(), err.getvalue(), time.monotonic() - start
+
+
+def _by_task(text):
+    """{"worker 0": [lines...]} from launcher output; every line must carry a task prefix."""
+    lines = {}
+    for line in text.splitlines():
+        match = LINE.match(line)
+        assert match, f"line without a task prefix: {line!r}"
+        lines.setdefault(f"{match[1]} {match[2]}", []).append(match[3])
+    return lines
+
+
+def _assert_all_gone(job, timeout=5.0):
+    pids = job.recorded_pids()
+    deadline = time.monotonic() + timeout
+    while any(_running(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [name for name, pid in pids.items() if _running(pid)], "processes left running"
+
+
+# --- cluster layout ---------------------------------------------------------------------------
+
+
+def test_free_ports_are_distinct_and_bindable():
+    import socket
+
+    ports = free_ports(6)
+    assert len(set(ports)) == 6 and all(0 < p < 65536 for p in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))
+    assert free_ports(0) == []
+    with pytest.raises(ValueError, match="-1"):
+        free_ports(-1)
+
+
+def test_tf_config_for_workers_and_chief_layouts():
+    assert tf_config_for(1, [5000, "127.0.0.1:5001"]) == {
+        "cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    addresses = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    assert tf_config_for(0, addresses, chief=True) == {"cluster": cluster, "task": {"type": "chief", "index": 0}}
+    assert tf_config_for(2, addresses, chief=True)["task"] == {"type": "worker", "index": 1}
+    with pytest.raises(ValueError, match="3"):
+        tf_config_for(3, addresses)
+
+
+# --- successful jobs ----------------------------------------------------------------------------
+
+
+def test_two_workers_succeed_with_prefixed_lines_and_their_own_tf_config(job):
+    code, out, err, _ = _run(job, {"*": {"do": "report"}}, workers=2)
+    assert code == 0, err
+    lines = _by_task(out)
+    assert sorted(lines) == ["worker 0", "worker 1"]
+    reports = {task: json.loads(lines[task][0]) for task in lines}
+    cluster = reports["worker 0"]["config"]["cluster"]
+    assert reports["worker 1"]["config"]["cluster"] == cluster
+    assert list(cluster) == ["worker"] and len(cluster["worker"]) == 2
+    ports = [int(a.split(":")[1]) for a in cluster["worker"]]
+    assert len(set(ports)) == 2 and all(a.startswith("127.0.0.1:") for a in cluster["worker"])
+    for index in (0, 1):
+        assert reports[f"worker {index}"]["config"]["task"] == {"type": "worker", "index": index}
+    assert _by_task(err) == {"worker 0": ["a line on stderr"], "worker 1": ["a line on stderr"]}
+
+
+def test_chief_layout(job):
+    code, out, err, _ = _run(job, {"*": {"do": "report"}}, workers=3, chief=True)
+    assert code == 0, err
+    reports = {task: json.loads(lines[0]) for task, lines in _by_task(out).items()}
+    assert sorted(reports) == ["chief 0", "worker 0", "worker 1"]
+    cluster = reports["chief 0"]["config"]["cluster"]
+    assert len(cluster["chief"]) == 1 and len(cluster["worker"]) == 2
+    assert len(set(cluster["chief"] + cluster["worker"])) == 3
+    for task, report in reports.items():
+        kind, index = task.split()
+        assert report["config"] == {"cluster": cluster, "task": {"type": kind, "index": int(index)}}
+
+
+def test_env_vars_and_script_args_reach_every_worker(job, monkeypatch):
+    monkeypatch.setenv("UNSET_ME", "inherited")
+    code, out, err, _ = _run(
+        job,
+        {"*": {"do": "report"}},
+        args=["--workers", "7", "two words"],
+        workers=2,
+        backend="jax",
+        devices_per_worker=3,
+        env={"EXTRA": "x", "UNSET_ME": None},
+    )
+    assert code == 0, err
+    for lines in _by_task(out).values():
+        report = json.loads(lines[0])
+        assert report["argv"] == ["--workers", "7", "two words"]
+        assert report["env"] == {
+            "KERAS_BACKEND": "jax",
+            "KERAS_STRATEGIES_CPU_DEVICES": "3",
+            "PYTHONUNBUFFERED": "1",
+            "KERAS_STRATEGIES_LAUNCHED": "1",
+            "EXTRA": "x",
+            "UNSET_ME": None,
+        }
+
+
+def test_without_backend_option_workers_inherit_the_environment(job, monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    monkeypatch.delenv("KERAS_STRATEGIES_CPU_DEVICES")
+    code, out, err, _ = _run(job, {"*": {"do": "report"}}, workers=1)
+    assert code == 0, err
+    env = json.loads(_by_task(out)["worker 0"][0])["env"]
+    assert env["KERAS_BACKEND"] == "torch" and env["KERAS_STRATEGIES_CPU_DEVICES"] is None
+
+
+def test_output_lines_never_interleave(job):
+    code, out, err, _ = _run(job, {"*": {"do": "chatter", "lines": 300}}, workers=2)
+    assert code == 0, err
+    lines = _by_task(out)
+    for task in ("worker 0", "worker 1"):
+        assert lines[task] == [f"line {i} of {task}" for i in range(300)]
+
+
+# --- failures, timeouts and signals ---------------------------------------------------------------
+
+
+def test_first_failure_stops_other_workers_and_their_children(job):
+    plan = {
+        "worker 0": {"do": "sleep", "grandchild": True},
+        "worker 1": {"do": "exit", "code": 3, "wait_for": ["worker-0.ready"]},
+    }
+    code, out, err, elapsed = _run(job, plan, workers=2)
+    assert code == 3
+    assert elapsed < 10
+    assert "[worker 1] failing on purpose" in err.splitlines()
+    assert re.search(r"^keras_strategies\.launch: worker 1 exited with code 3\b", err, re.M), err
+    assert set(job.recorded_pids()) >= {"worker-0.pid", "worker-0.grandchild", "worker-1.pid"}
+    _assert_all_gone(job)
+
+
+def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(job):
+    plan = {
+        "worker 0": {"do": "sleep", "ignore_term": True},
+        "worker 1": {"do": "exit", "code": 1, "wait_for": ["worker-0.ready"]},
+    }
+    code, _, err, elapsed = _run(job, plan, workers=2, grace=0.5)
+    assert code == 1, err
+    assert 0.5 <= elapsed < 8
+    _assert_all_gone(job)
+
+
+def test_worker_killed_by_a_signal_gives_128_plus_signal(job):
+    plan = {
+        "worker 0": {"do": "sleep"},
+        "worker 1": {"do": "kill_self", "wait_for": ["worker-0.ready"]},
+    }
+    code, _, err, _ = _run(job, plan, workers=2)
+    assert code == 128 + signal.SIGKILL
+    assert "worker 1 was killed by SIGKILL (exit code 137)" in err
+    _assert_all_gone(job)
+
+
+def test_timeout_stops_a_hanging_job(job):
+    code, _, err, elapsed = _run(job, {"*": {"do": "sleep", "grandchild": True}}, workers=2, timeout=1)
+    assert code == launch_module.TIMEOUT_EXIT_CODE != 0
+    assert 1 <= elapsed < 8
+    assert "timed out after 1 s" in err
+    _assert_all_gone(job)
+
+
+def _start_launcher(command):
+    return subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _stop_launcher(launcher, job, sig, tasks=("worker-0", "worker-1")):
+    """Sends `sig` to the launcher once every worker is up; returns (exit code, stdout, stderr)."""
+    try:
+        job.wait_for_files([f"{task}.{kind}" for task in tasks for kind in ("ready", "grandchild")])
+        launcher.send_signal(sig)
+        out, err = launcher.communicate(timeout=20)
+        return launcher.returncode, out, err
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def test_cli_sigint_exits_130_and_leaves_no_workers(job):
+    plan = json.dumps({"*": {"do": "sleep", "grandchild": True}})
+    launcher = _start_launcher(
+        [sys.executable, "-m", "keras_strategies.launch", "--workers", "2", job.path, plan]
+    )
+    code, out, err = _stop_launcher(launcher, job, signal.SIGINT)
+    assert code == 130, err
+    assert "[worker 0] sleeping" in out and "[worker 1] sleeping" in out
+    assert "keras_strategies.launch: received SIGINT; stopping all workers." in err
+    _assert_all_gone(job)
+
+
+# Runs keras_strategies/launch.py as __main__ without executing the package __init__ (which
+# imports Keras): fast, and proves the launcher itself imports no ML framework.
+_BARE_LAUNCHER = textwrap.dedent(
+    """
+    import runpy, sys, types
+    package = types.ModuleType("keras_strategies")
+    package.__path__ = [sys.argv.pop(1)]
+    sys.modules["keras_strategies"] = package
+    import keras_strategies.launch
+    heavy = {"keras", "tensorflow", "jax", "torch"} & set(sys.modules)
+    assert not heavy, heavy
+    del sys.modules["keras_strategies.launch"]
+    runpy.run_module("keras_strategies.launch", run_name="__main__", alter_sys=True)
+    """
+)
+
+
+def _bare_launcher_command(*args):
+    package_dir = str(REPO_ROOT / "keras_strategies")
+    return [sys.executable, "-c", _BARE_LAUNCHER, package_dir, *args]
+
+
+def test_cli_sigterm_exits_143_and_leaves_no_workers(job):
+    plan = json.dumps({"*": {"do": "sleep", "grandchild": True}})
+    launcher = _start_launcher(_bare_launcher_command("--workers", "2", "--chief", job.path, plan))
+    code, out, err = _stop_launcher(launcher, job, signal.SIGTERM, tasks=("chief-0", "worker-0"))
+    assert code == 143, err
+    assert "[chief 0] sleeping" in out and "[worker 0] sleeping" in out
+    assert "received SIGTERM" in err
+    _assert_all_gone(job)
+
+
+def test_cli_process_exit_code_for_bad_arguments():
+    result = subprocess.run(
+        _bare_launcher_command("--workers", "0", "train.py"), cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "--workers: must be an integer >= 1, got '0'" in result.stderr
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workers", "0", "{script}"], "got '0'"),
+        (["--workers", "two", "{script}"], "got 'two'"),
+        (["--workers", "2"], "missing the script"),
+        (["--workers", "2", "no_such_script.py"], "'no_such_script.py' not found"),
+        (["--workers", "2", "-m"], "-m needs a module name"),
+        (["--backend", "theano", "{script}"], "invalid choice: 'theano'"),
+        (["--devices-per-worker", "-1", "{script}"], "got '-1'"),
+        (["--timeout", "0", "{script}"], "got '0'"),
+        (["--no-such-option", "{script}"], "unrecognized arguments: --no-such-option"),
+    ],
+)
+def test_bad_arguments_exit_2_and_name_the_bad_value(job, capsys, argv, message):
+    code = main([a.format(script=job.path) for a in argv])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not job.recorded_pids()
+
+
+def test_launch_api_rejects_bad_values(job, tmp_path):
+    with pytest.raises(ValueError, match="workers.*0"):
+        launch(job.path, workers=0)
+    with pytest.raises(ValueError, match="timeout.*-1"):
+        launch(job.path, timeout=-1)
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        launch(str(tmp_path / "missing.py"))
+    assert not job.recorded_pids()
+
+
+def test_split_command_keeps_the_script_arguments_intact():
+    assert split_command(["--workers", "2", "s.py", "--workers", "5", "--"]) == (
+        ["--workers", "2"],
+        ["s.py", "--workers", "5", "--"],
+    )
+    assert split_command(["--chief", "-m", "pkg.mod", "--lr", "1"]) == (["--chief"], ["-m", "pkg.mod", "--lr", "1"])
+    assert split_command(["-mpkg.mod", "x"]) == ([], ["-m", "pkg.mod", "x"])
+    assert split_command(["--timeout=3", "--", "-weird.py"]) == (["--timeout=3"], ["-weird.py"])
+    assert split_command(["--workers", "2"]) == (["--workers", "2"], [])
+
+
+def test_main_runs_a_module_with_m(job, tmp_path, monkeypatch, capsys):
+    (tmp_path / "launched_mod.py").write_text(WORKER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    plan = json.dumps({"*": {"do": "report"}})
+    code = main(["--workers", "2", "--chief", "--backend", "torch", "-m", "launched_mod", plan, "extra"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    reports = {task: json.loads(lines[0]) for task, lines in _by_task(captured.out).items()}
+    assert sorted(reports) == ["chief 0", "worker 0"]
+    assert all(r["argv"] == ["extra"] and r["env"]["KERAS_BACKEND"] == "torch" for r in reports.values())
