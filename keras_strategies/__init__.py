@@ -5,6 +5,7 @@ switching is `s/tf.distribute/ks/`. Importing changes nothing for Keras code
 that never enters a strategy scope.
 """
 
+from keras_strategies import cluster_resolver
 from keras_strategies import devices as _devices
 from keras_strategies import keras_hooks as _keras_hooks
 from keras_strategies.cross_device_ops import (
@@ -13,6 +14,7 @@ from keras_strategies.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from keras_strategies.cluster_resolver import ClusterSpec
 from keras_strategies.context import (
     ReplicaContext,
     experimental_set_strategy,
@@ -42,6 +44,7 @@ _devices.configure_from_environment()
 _keras_hooks.install()
 
 __all__ = [
+    "ClusterSpec",
     "CrossDeviceOps",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
@@ -60,6 +63,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "ValueContext",
+    "cluster_resolver",
     "compute_average_loss",
     "experimental_set_strategy",
     "get_replica_context",

@@ -20,7 +20,10 @@ BACKEND = keras.backend.backend()
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
-    """Each test starts from the same seed and an empty Keras session."""
-    keras.utils.clear_session()
+    """Each test starts from the same seed and an empty Keras session.
+
+    `free_memory=False` skips a full `gc.collect()` (0.2 s per test).
+    """
+    keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(1337)
     yield

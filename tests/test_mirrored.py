@@ -1,0 +1,60 @@
+"""`MirroredStrategy` construction, placement and cross-replica primitives."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_strategies as ks
+from keras_strategies.backend import engine
+
+TORCH = keras.backend.backend() == "torch"
+
+
+def test_defaults_to_every_virtual_cpu_device():
+    strategy = ks.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == 4
+    assert strategy.extended.worker_devices == ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
+    assert strategy.cluster_resolver is None
+
+
+def test_device_subsets_accept_tf_style_names():
+    strategy = ks.MirroredStrategy(devices=["/cpu:1", "CPU:3"])
+    assert strategy.extended.worker_devices == ("cpu:1", "cpu:3")
+    assert strategy.num_replicas_in_sync == 2
+
+
+def test_primary_variables_live_on_the_first_replica_device():
+    strategy = ks.MirroredStrategy(devices=["cpu:2", "cpu:3"])
+    with strategy.scope():
+        variable = keras.Variable(np.ones((2,), "float32"))
+    assert engine.devices.device_of(variable) == ("cpu:0" if TORCH else "cpu:2")
+    assert strategy.extended.variable_created_in_scope(variable)
+
+
+def test_run_gives_replica_ids_and_regroups():
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+    result = strategy.run(lambda: ks.get_replica_context().replica_id_in_sync_group)
+    assert isinstance(result, ks.PerReplica) and result.values == (0, 1, 2)
+    assert strategy.run(lambda: 3) == 3
+    assert strategy.run(lambda: None) is None
+
+
+def test_reduce_golden_values():
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+    scalars = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(3 + 10 * ctx.replica_id_in_sync_group)
+    )
+    assert float(ops.convert_to_numpy(strategy.reduce("SUM", scalars, axis=None))) == 39.0
+    assert float(ops.convert_to_numpy(strategy.reduce("mean", scalars, axis=None))) == 13.0
+    uneven = ks.PerReplica([np.ones((1, 2), "float32"), np.ones((2, 2), "float32"), np.ones((3, 2), "float32")])
+    np.testing.assert_allclose(ops.convert_to_numpy(strategy.reduce("sum", uneven, axis=0)), [6.0, 6.0])
+    np.testing.assert_allclose(ops.convert_to_numpy(strategy.reduce("mean", uneven, axis=0)), [1.0, 1.0])
+    assert tuple(strategy.gather(uneven, axis=0).shape) == (6, 2)
+
+
+def test_reducing_a_plain_value_with_sum_over_several_replicas_is_refused():
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with pytest.raises(ValueError, match="non-DistributedValues value"):
+        strategy.reduce("sum", np.float32(1.0), axis=None)
+    assert float(ops.convert_to_numpy(strategy.reduce("mean", np.float32(1.0), axis=None))) == 1.0

@@ -1,0 +1,156 @@
+"""`fit` / `evaluate` / `predict` under MirroredStrategy equal one device (issue 3 acceptance).
+
+Every case trains the same model from the same initial weights with and
+without the strategy on the same global batches, for 1 to 4 replicas and for
+even, uneven, partial and smaller-than-replica-count batches.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_strategies as ks
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def dense_model():
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+            keras.layers.Dense(1, kernel_regularizer=keras.regularizers.L1L2(1e-4, 1e-3)),
+        ]
+    )
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05, momentum=0.5), metrics=["mae"])
+    return model
+
+
+def conv_model():
+    inputs = keras.Input((6, 6, 2))
+    hidden = keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    outputs = keras.layers.Dense(3)(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.Adam(0.01),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def regression_data(n):
+    rng = np.random.default_rng(n)
+    x = rng.uniform(size=(n, 3)).astype("float32")
+    return x, (x @ np.array([[1.0], [-2.0], [0.5]], "float32") + 0.3).astype("float32")
+
+
+def image_data(n):
+    rng = np.random.default_rng(n)
+    return rng.normal(size=(n, 6, 6, 2)).astype("float32"), rng.integers(0, 3, size=(n,))
+
+
+def assert_same_training(build, x, y, batch_size, replicas, epochs=2, **fit_kwargs):
+    reference = build()
+    strategy = ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    kwargs = dict(batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs)
+    expected, got = reference.fit(x, y, **kwargs).history, model.fit(x, y, **kwargs).history
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], err_msg=key, **TOL)
+    for got_w, expected_w in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got_w, expected_w, **TOL)
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=batch_size, verbose=0),
+        reference.evaluate(x, y, batch_size=batch_size, verbose=0), **TOL,
+    )
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=batch_size, verbose=0),
+        reference.predict(x, batch_size=batch_size, verbose=0), **TOL,
+    )
+    return model
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "samples, batch_size",
+    [(12, 4), (10, 4), (10, 6), (101, 32), (5, 2)],
+    ids=["even", "uneven", "partial", "101-by-32", "smaller-than-replicas"],
+)
+def test_dense_fit_equals_one_device(replicas, samples, batch_size):
+    assert_same_training(dense_model, *regression_data(samples), batch_size, replicas)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_conv_fit_with_adam_and_accuracy_equals_one_device(replicas):
+    assert_same_training(conv_model, *image_data(10), batch_size=4, replicas=replicas)
+
+
+def test_validation_split_sample_weight_and_class_weight():
+    x, y = image_data(12)
+    weights = np.linspace(0.5, 1.5, 12).astype("float32")
+    assert_same_training(conv_model, x, y, 5, replicas=3, sample_weight=weights, validation_split=0.25)
+    assert_same_training(conv_model, x, y, 5, replicas=2, class_weight={0: 1.0, 1: 2.0, 2: 0.5})
+
+
+def test_seed_snippet_runs_with_datasets_numpy_and_a_replica_scaled_batch():
+    tf = pytest.importorskip("tensorflow") if keras.backend.backend() == "tensorflow" else None
+    strategy = ks.MirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((1,)), keras.layers.Dense(1, kernel_regularizer=keras.regularizers.L2(1e-4))]
+        )
+        model.compile(loss="mse", optimizer="sgd")
+    if tf is not None:
+        dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(10)
+        assert len(model.fit(dataset, epochs=2, verbose=0).history["loss"]) == 2
+        assert np.isfinite(model.evaluate(dataset, verbose=0))
+    history = model.fit(np.ones((100, 1)), np.ones((100, 1)), epochs=2, batch_size=10, verbose=0)
+    assert len(history.history["loss"]) == 2
+    global_batch = 16 * strategy.num_replicas_in_sync
+    history = model.fit(np.ones((200, 1)), np.ones((200, 1)), epochs=1, batch_size=global_batch, verbose=0)
+    assert history.history["loss"][0] < 1.0
+
+
+def test_on_batch_methods_equal_one_device():
+    x, y = regression_data(7)
+    reference = dense_model()
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+    with strategy.scope():
+        model = dense_model()
+    model.set_weights(reference.get_weights())
+    np.testing.assert_allclose(model.train_on_batch(x, y), reference.train_on_batch(x, y), **TOL)
+    np.testing.assert_allclose(model.test_on_batch(x, y), reference.test_on_batch(x, y), **TOL)
+    np.testing.assert_allclose(model.predict_on_batch(x), reference.predict_on_batch(x), **TOL)
+
+
+def test_per_batch_logs_equal_one_device():
+    """11 samples, batch 4, 2 replicas: the last batch splits [2, 1] (reference §2.8)."""
+    x = np.arange(11, dtype="float32").reshape(11, 1) / 10.0
+    y = 2.0 * x + 1.0
+
+    def build():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    class Record(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.losses = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.losses.append(float(logs["loss"]))
+
+    reference, expected = build(), Record()
+    reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[expected])
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = build()
+    got = Record()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[got])
+    np.testing.assert_allclose(got.losses, expected.losses, **TOL)
