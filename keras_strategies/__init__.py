@@ -5,6 +5,7 @@ switching is `s/tf.distribute/ks/`. Importing changes nothing for Keras code
 that never enters a strategy scope.
 """
 
+from keras_strategies import batch_norm as _batch_norm
 from keras_strategies import cluster_resolver
 from keras_strategies import devices as _devices
 from keras_strategies import keras_hooks as _keras_hooks
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 
 _devices.configure_from_environment()
 _keras_hooks.install()
+_batch_norm.install()
 
 __all__ = [
     "ClusterSpec",

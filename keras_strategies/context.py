@@ -129,9 +129,13 @@ class ReplicaContext:
     backend engine; with one replica they return the value unchanged.
     """
 
-    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int):
+    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, row_mask: Any = None, in_program: bool = False):
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
+        # Set by multi-replica steps: which rows of the replica's (padded) shard are real,
+        # and whether the replicas run together so that collectives can rendezvous.
+        self._row_mask = row_mask
+        self._in_program = in_program
 
     @property
     def strategy(self) -> "Strategy":

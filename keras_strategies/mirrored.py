@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from keras_strategies import context
+from keras_strategies.reduce_op import ReduceOp
+from keras_strategies.values import map_structure
 from keras_strategies.backend import engine
 from keras_strategies.cross_device_ops import CrossDeviceOps, select_cross_device_ops
 from keras_strategies.devices import default_compute_devices, resolve_devices
@@ -31,6 +32,30 @@ class MirroredExtended(StrategyExtended):
         # The primary copy of every variable lives on the first replica device.
         with engine.devices.device_scope(self._devices[0]):
             yield
+
+    def _all_reduce(self, replica_context, reduce_op, value):
+        if self.num_replicas_in_sync == 1:
+            return value
+        if not replica_context._in_program:
+            raise NotImplementedError(
+                "ReplicaContext.all_reduce inside strategy.run with several replicas is not "
+                "supported yet; it works inside Keras fit/evaluate/predict steps."
+            )
+
+        def reduce_one(leaf):
+            total = engine.replicas.all_reduce_sum(leaf)
+            return total / self.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else total
+
+        return map_structure(reduce_one, value)
+
+    def _all_gather(self, replica_context, value, axis):
+        if self.num_replicas_in_sync == 1:
+            return value
+        if not replica_context._in_program:
+            raise NotImplementedError(
+                "ReplicaContext.all_gather inside strategy.run with several replicas is not supported yet."
+            )
+        return map_structure(lambda leaf: engine.replicas.all_gather(leaf, axis), value)
 
     def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
         from keras_strategies.trainer.loops import LOOPS

@@ -1,30 +1,33 @@
 """One training, evaluation or prediction step of a Keras model, split across replicas.
 
-Each replica runs the model's stateless forward pass (and gradient) on its
-shard of the global batch, on its own device, compiled by the backend engine.
-Its objective is weighted so that summing over replicas gives exactly the
-single-device loss of the global batch, whatever the shard sizes:
+All replicas run the same function together through the backend's replica
+engine (`engine.replicas`): the model's stateless forward pass (and gradient)
+on the replica's shard, with in-step collectives available (synchronised
+BatchNormalization). Each replica's objective is weighted so that summing over
+replicas gives exactly the single-device loss of the global batch:
 
-    objective_i = data_loss_i * n_i / B + additional_losses / active_replicas
+    objective_i = data_loss_i * rows_i / B + additional_losses / num_replicas
 
-(`data_loss_i` is the compiled loss of shard i, a mean over its n_i samples;
-regularisers and `add_loss` terms count once in total). Gradients are then
-summed with the strategy's cross-device ops, clipped by the optimizer after
-that sum, and applied once. Metrics are updated once, on the whole global
-batch, so logs equal single-device logs.
+(`data_loss_i` is the compiled loss of the shard, a mean over its `rows_i`
+rows; padding rows carry sample weight 0; regularisers and `add_loss` terms
+count once in total). Gradients are summed with the strategy's cross-device
+ops, clipped by the optimizer after that sum, and applied once. Metrics are
+updated once, on the whole global batch, so logs equal single-device logs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
+import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_strategies import context
+from keras_strategies import context, keras_state
 from keras_strategies.backend import engine
 from keras_strategies.batch_splitting import batch_size_of, shard_sizes, split_batch
 from keras_strategies.reduce_op import ReduceOp
@@ -37,10 +40,54 @@ def _is_float(value: Any) -> bool:
 
 def _uses_sum_reduction(model: Any) -> bool:
     """True when every compiled loss sums (rather than averages) over the batch."""
-    compile_loss = getattr(model, "_compile_loss", None)
-    flat = getattr(compile_loss, "_flat_losses", None) or []
-    reductions = {getattr(entry.loss, "reduction", None) for entry in flat}
-    return reductions == {"sum"}
+    flat = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None) or []
+    return {getattr(entry.loss, "reduction", None) for entry in flat} == {"sum"}
+
+
+def _pad_rows(leaf: Any, rows: int) -> Any:
+    if leaf is None:
+        return None
+    array = np.asarray(keras_backend.convert_to_numpy(leaf))
+    if array.shape[0] == rows:
+        return array
+    padding = np.zeros((rows - array.shape[0],) + array.shape[1:], dtype=array.dtype)
+    return np.concatenate([array, padding], axis=0)
+
+
+class Shards:
+    """A global batch cut into per-replica shards, padded where the engine needs it."""
+
+    def __init__(self, data: Any, num_replicas: int, with_targets: bool):
+        if with_targets:
+            self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        else:
+            self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)[0], None, None
+        self.batch = batch_size_of(self.x)
+        self.sizes = shard_sizes(self.batch, num_replicas)
+        if engine.replicas.EQUAL_SHARDS:
+            self.rows = [max(max(self.sizes), 1)] * num_replicas
+        else:
+            self.rows = [max(size, 1) for size in self.sizes]  # an empty replica runs one padding row
+        self.padded = self.rows != self.sizes
+        pieces = split_batch((self.x, self.y, self.sample_weight), self.sizes)
+        self.per_replica = []
+        for (x, y, weight), size, rows in zip(pieces, self.sizes, self.rows):
+            mask = None
+            if self.padded:
+                mask = np.zeros((rows,), "float32")
+                mask[:size] = 1.0
+                if weight is None and with_targets:
+                    weight = mask
+            pad = functools.partial(tree.map_structure, lambda leaf: _pad_rows(leaf, rows))
+            self.per_replica.append((pad(x), pad(y), pad(weight), mask))
+
+    @property
+    def active(self) -> list[int]:
+        return [i for i, size in enumerate(self.sizes) if size > 0]
+
+    def unpad(self, replica_id: int, structure: Any) -> Any:
+        size = self.sizes[replica_id]
+        return tree.map_structure(lambda leaf: leaf[:size], structure)
 
 
 class ReplicaStep:
@@ -51,16 +98,20 @@ class ReplicaStep:
         self.strategy = strategy
         self.devices = strategy.extended.worker_devices
         self.cross_device_ops = strategy.extended._cross_device_ops
-        compile_fn = (lambda fn: fn) if model.run_eagerly else engine.compiler.compile_function
-        self._train_fn = compile_fn(engine.gradients.value_and_grad(functools.partial(self._objective, training=True)))
-        self._test_fn = compile_fn(functools.partial(self._objective, training=False))
-        self._predict_fn = compile_fn(self._forward)
+        compiled = not model.run_eagerly
+        # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
+        self._keras_state: dict = {}
+        make = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=compiled)
+        self._train = make(self._replica_train)
+        self._test = make(self._replica_test)
+        self._predict = make(self._replica_predict)
 
-    # --- per-replica, stateless ------------------------------------------------
-    def _forward(self, trainable, non_trainable, x):
-        kwargs = {"training": False} if self.model._call_has_training_arg else {}
-        y_pred, _ = self.model.stateless_call(trainable, non_trainable, x, **kwargs)
-        return y_pred
+    # --- what every replica runs (stateless) ----------------------------------------
+    @contextlib.contextmanager
+    def _enter(self, replica_id: Any, mask: Any):
+        replica_context = context.ReplicaContext(self.strategy, replica_id, row_mask=mask, in_program=True)
+        with keras_state.installed(self._keras_state), context.enter_frame(self.strategy, replica_context):
+            yield
 
     def _objective(self, trainable, non_trainable, metrics, x, y, sample_weight, weights, training):
         model = self.model
@@ -80,35 +131,32 @@ class ReplicaStep:
             if losses:
                 model._losses_override = []
         additional = functools.reduce(ops.add, [model._aggregate_additional_loss(l) for l in losses]) if losses else 0.0
-        data_weight, additional_weight, loss_scale = weights[0], weights[1], weights[2]
-        objective = (total - additional) * data_weight + additional * additional_weight
-        return objective * loss_scale, (objective, y_pred, new_non_trainable)
+        objective = (total - additional) * weights[0] + additional * weights[1]
+        return objective * weights[2], (objective, y_pred, new_non_trainable)
 
-    # --- helpers -----------------------------------------------------------------
-    def _shards(self, data: Any):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        batch = batch_size_of(x)
-        sizes = shard_sizes(batch, len(self.devices))
-        shards = split_batch((x, y, sample_weight), sizes)
-        active = [i for i, size in enumerate(sizes) if size > 0]
-        return (x, y, sample_weight), batch, sizes, shards, active
+    def _replica_train(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
+        with self._enter(replica_id, mask):
+            grad_fn = engine.gradients.value_and_grad(functools.partial(self._objective, training=True))
+            (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, weights)
+        return grads, aux
 
-    def _on(self, device: str, structure: Any) -> Any:
-        def move(leaf):
-            if leaf is None:
-                return None
-            return engine.devices.copy_to(ops.convert_to_tensor(leaf), device)
+    def _replica_test(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
+        with self._enter(replica_id, mask):
+            _, aux = self._objective(trainable, non_trainable, metrics, x, y, sample_weight, weights, training=False)
+        return aux
 
-        return tree.map_structure(move, structure)
+    def _replica_predict(self, replica_id, trainable, non_trainable, x, mask):
+        with self._enter(replica_id, mask):
+            kwargs = {"training": False} if self.model._call_has_training_arg else {}
+            y_pred, _ = self.model.stateless_call(trainable, non_trainable, x, **kwargs)
+        return y_pred
 
-    def _weights(self, size: int, batch: int, active: int, loss_scale: float):
-        data_weight = 1.0 if _uses_sum_reduction(self.model) else size / batch
-        return ops.convert_to_tensor([data_weight, 1.0 / active, loss_scale], "float32")
-
-    def _sum_across_replicas(self, per_replica: list, destination: str) -> Any:
-        """Sums lists of per-replica tensors with the strategy's cross-device ops."""
-        pairs = [(PerReplica(values), destination) for values in zip(*per_replica)]
-        return self.cross_device_ops.batch_reduce(ReduceOp.SUM, pairs)
+    # --- cross-replica helpers ----------------------------------------------------------
+    def _state(self, with_metrics: bool = True) -> tuple:
+        model = self.model
+        self._keras_state = keras_state.capture()
+        state = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables])
+        return state + ([v.value for v in model.metrics_variables],) if with_metrics else state
 
     def _loss_scale(self) -> float:
         optimizer = self.model.optimizer
@@ -116,84 +164,73 @@ class ReplicaStep:
             return 1.0
         return float(ops.convert_to_numpy(optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32"))))
 
-    def _run_replicas(self, fn, data, with_state):
-        model = self.model
-        (x, y, sample_weight), batch, sizes, shards, active = self._shards(data)
-        trainable = [v.value for v in model.trainable_variables]
-        non_trainable = [v.value for v in model.non_trainable_variables]
-        metrics = [v.value for v in model.metrics_variables]
-        loss_scale = self._loss_scale() if with_state else 1.0
-        outputs = []
-        for i in active:
-            device = self.devices[i]
-            replica_context = context.ReplicaContext(self.strategy, i)
-            with context.enter_frame(self.strategy, replica_context), engine.devices.device_scope(device):
-                args = self._on(device, (trainable, non_trainable, metrics) + tuple(shards[i]))
-                weights = engine.devices.copy_to(self._weights(sizes[i], batch, len(active), loss_scale), device)
-                outputs.append(fn(*args, weights))
-        return (x, y, sample_weight), batch, active, outputs
+    def _weights(self, shards: Shards, loss_scale: float) -> list:
+        sum_reduction = _uses_sum_reduction(self.model)
+        return [
+            np.array([1.0 if sum_reduction else rows / shards.batch, 1.0 / len(self.devices), loss_scale], "float32")
+            for rows in shards.rows
+        ]
+
+    def _reduce(self, reduce_op: ReduceOp, per_replica: list) -> list:
+        """Reduces lists of per-replica tensors to the primary device with the cross-device ops."""
+        pairs = [(PerReplica(values), self.devices[0]) for values in zip(*per_replica)]
+        return self.cross_device_ops.batch_reduce(reduce_op, pairs)
 
     def _assign_non_trainable(self, per_replica: list) -> None:
-        """New non-trainable values: mean over replicas for floats, replica 0 otherwise."""
+        """New non-trainable values: the mean over replicas with data for floats, replica 0 otherwise."""
         host = self.devices[0]
         for variable, values in zip(self.model.non_trainable_variables, zip(*per_replica)):
             aggregation = getattr(variable, "aggregation", "none")
-            if _is_float(variable) and aggregation in ("mean", "none") and len(values) > 1:
+            if len(values) > 1 and _is_float(variable) and aggregation in ("mean", "none"):
                 variable.assign(self.cross_device_ops.reduce(ReduceOp.MEAN, PerReplica(values), host))
-            elif aggregation == "sum" and len(values) > 1:
-                old = variable.value
-                deltas = PerReplica([ops.subtract(v, engine.devices.copy_to(old, self.devices[0])) for v in values])
+            elif len(values) > 1 and aggregation == "sum":
+                old = engine.devices.copy_to(variable.value, host)
+                deltas = PerReplica([ops.subtract(engine.devices.copy_to(v, host), old) for v in values])
                 variable.assign(ops.add(old, self.cross_device_ops.reduce(ReduceOp.SUM, deltas, host)))
             else:
                 variable.assign(engine.devices.copy_to(values[0], host))
 
-    def _concat_predictions(self, per_replica_predictions: list) -> Any:
+    def _global_predictions(self, shards: Shards, per_replica_predictions: list) -> Any:
         host = self.devices[0]
-        if len(per_replica_predictions) == 1:
-            return self._on(host, per_replica_predictions[0])
-        return tree.map_structure(
-            lambda *parts: ops.concatenate([engine.devices.copy_to(p, host) for p in parts], axis=0),
-            *per_replica_predictions,
-        )
+        parts = [
+            tree.map_structure(lambda p: engine.devices.copy_to(p, host), shards.unpad(i, per_replica_predictions[i]))
+            for i in shards.active
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return tree.map_structure(lambda *leaves: ops.concatenate(leaves, axis=0), *parts)
 
-    def _update_metrics(self, loss, x, y, y_pred, sample_weight, batch):
+    def _update_metrics(self, shards: Shards, loss: Any, y_pred: Any) -> dict:
         model = self.model
         with engine.devices.device_scope(self.devices[0]):
-            model._loss_tracker.update_state(loss, sample_weight=batch)
-            return model.compute_metrics(x, y, y_pred, sample_weight)
+            model._loss_tracker.update_state(loss, sample_weight=shards.batch)
+            return model.compute_metrics(shards.x, shards.y, y_pred, shards.sample_weight)
 
-    # --- steps -------------------------------------------------------------------
+    # --- steps ----------------------------------------------------------------------------
     def train_step(self, data: Any) -> dict:
         model = self.model
-        (x, y, sample_weight), batch, active, outputs = self._run_replicas(self._train_fn, data, with_state=True)
-        host = self.devices[0]
-        grads = self._sum_across_replicas([grads for (_, _), grads in outputs], host)
-        (loss,) = self._sum_across_replicas([[aux[0]] for (_, aux), _ in outputs], host)
-        with engine.devices.device_scope(host):
+        shards = Shards(data, len(self.devices), with_targets=True)
+        weights = self._weights(shards, self._loss_scale())
+        per_replica = [args + (w,) for args, w in zip(shards.per_replica, weights)]
+        outputs = self._train(self._state(), per_replica)
+        grads = self._reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
+        (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
+        with engine.devices.device_scope(self.devices[0]):
             model.optimizer.apply(grads, model.trainable_variables)
-        self._assign_non_trainable([aux[2] for (_, aux), _ in outputs])
-        y_pred = self._concat_predictions([aux[1] for (_, aux), _ in outputs])
-        return self._update_metrics(loss, x, y, y_pred, sample_weight, batch)
+        self._assign_non_trainable([outputs[i][1][2] for i in shards.active])
+        y_pred = self._global_predictions(shards, [aux[1] for _, aux in outputs])
+        return self._update_metrics(shards, loss, y_pred)
 
     def test_step(self, data: Any) -> dict:
-        (x, y, sample_weight), batch, active, outputs = self._run_replicas(self._test_fn, data, with_state=False)
-        host = self.devices[0]
-        (loss,) = self._sum_across_replicas([[aux[0]] for _, aux in outputs], host)
-        y_pred = self._concat_predictions([aux[1] for _, aux in outputs])
-        return self._update_metrics(loss, x, y, y_pred, sample_weight, batch)
+        shards = Shards(data, len(self.devices), with_targets=True)
+        per_replica = [args + (w,) for args, w in zip(shards.per_replica, self._weights(shards, 1.0))]
+        outputs = self._test(self._state(), per_replica)
+        (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for aux in outputs])
+        y_pred = self._global_predictions(shards, [aux[1] for aux in outputs])
+        return self._update_metrics(shards, loss, y_pred)
 
     def predict_step(self, data: Any) -> Any:
-        model = self.model
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
-        batch = batch_size_of(x)
-        sizes = shard_sizes(batch, len(self.devices))
-        trainable = [v.value for v in model.trainable_variables]
-        non_trainable = [v.value for v in model.non_trainable_variables]
-        outputs = []
-        for i, shard in enumerate(split_batch(x, sizes)):
-            if sizes[i] == 0:
-                continue
-            device = self.devices[i]
-            with context.enter_frame(self.strategy, context.ReplicaContext(self.strategy, i)), engine.devices.device_scope(device):
-                outputs.append(self._predict_fn(*self._on(device, (trainable, non_trainable, shard))))
-        return self._concat_predictions(outputs)
+        shards = Shards(data, len(self.devices), with_targets=False)
+        per_replica = [(x, mask) for x, _, _, mask in shards.per_replica]
+        outputs = self._predict(self._state(with_metrics=False), per_replica)
+        return self._global_predictions(shards, outputs)

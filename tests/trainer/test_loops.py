@@ -154,3 +154,45 @@ def test_per_batch_logs_equal_one_device():
     got = Record()
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[got])
     np.testing.assert_allclose(got.losses, expected.losses, **TOL)
+
+
+def batch_norm_model(synchronized, kernel_size=3):
+    inputs = keras.Input((4, 4, 2))
+    hidden = keras.layers.Conv2D(3, kernel_size, padding="same", use_bias=False)(inputs)
+    hidden = keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5)(hidden)
+    hidden = keras.layers.ReLU()(hidden)
+    outputs = keras.layers.Dense(1)(keras.layers.Flatten()(hidden))
+    model = keras.Model(inputs, outputs)
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05))
+    return model
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_synchronized_batch_norm_trains_exactly_like_one_device(replicas):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(10, 4, 4, 2)).astype("float32")
+    y = rng.normal(size=(10, 1)).astype("float32")
+    model = assert_same_training(lambda: batch_norm_model(True), x, y, batch_size=4, replicas=replicas)
+    assert model.layers[2].synchronized
+
+
+def test_unsynchronized_batch_norm_uses_per_replica_statistics():
+    """Each replica normalises with its own shard's statistics; moving statistics average them."""
+    x = np.concatenate([np.zeros((2, 4, 4, 2)), np.full((2, 4, 4, 2), 4.0)]).astype("float32")
+    y = np.zeros((4, 1), "float32")
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = batch_norm_model(False, kernel_size=1)
+    conv = model.layers[1]
+    conv.set_weights([np.ones_like(conv.get_weights()[0])])
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    bn = model.layers[2]
+    # 1x1 conv outputs are constant per replica shard (0 and 8), so each shard's variance is 0
+    # and the moving variance is 0.5 * 1 + 0.5 * mean(0, 0) = 0.5 (one device: 0.5 + 0.5 * 16).
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(bn.moving_variance), 0.5, atol=1e-6)
+
+
+def test_synchronized_batch_norm_works_outside_strategies_on_every_backend():
+    model = batch_norm_model(True)
+    x = np.random.default_rng(0).normal(size=(4, 4, 4, 2)).astype("float32")
+    model.fit(x, np.zeros((4, 1), "float32"), epochs=1, verbose=0)

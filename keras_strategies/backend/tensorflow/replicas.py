@@ -1,0 +1,94 @@
+"""TensorFlow replicas: `tf.distribute.MirroredStrategy.run`, TensorFlow's own engine.
+
+Each replica function runs in TensorFlow's replica context (inside a
+`tf.function` when compiled), so `all_reduce` is TensorFlow's cross-device
+all-reduce, differentiable as in `tf.distribute`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as keras_loss
+
+# tf.distribute accepts per-replica values of different shapes.
+EQUAL_SHARDS = False
+# Keras synchronises BatchNormalization natively only on TensorFlow.
+NATIVE_SYNC_BATCH_NORM = True
+
+_strategies: dict = {}
+
+
+def _tf_strategy(devices: Sequence[str]) -> tf.distribute.MirroredStrategy:
+    key = tuple(devices)
+    if key not in _strategies:
+        names = [f"/device:{d.split(':')[0].upper()}:{d.split(':')[1]}" for d in devices]
+        _strategies[key] = tf.distribute.MirroredStrategy(
+            names, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+    return _strategies[key]
+
+
+@contextlib.contextmanager
+def _unscaled_keras_losses() -> Iterator[None]:
+    """Keras divides mean losses by the replica count under `tf.distribute`; our
+    replica objective does its own global-batch weighting, so that is undone here."""
+    original = keras_loss.scale_loss_for_distribution
+    keras_loss.scale_loss_for_distribution = lambda value: value
+    try:
+        yield
+    finally:
+        keras_loss.scale_loss_for_distribution = original
+
+
+def _replica_id() -> int:
+    return int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
+
+
+def all_reduce_sum(value: Any) -> Any:
+    """Sum of `value` over the replicas of the current run (inside a replica function)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def all_gather(value: Any, axis: int) -> Any:
+    """`value` of every replica concatenated along `axis` (shard sizes may differ)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return tf.convert_to_tensor(value)
+    return context.all_gather(value, axis=axis)
+
+
+def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:
+    """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica."""
+    strategy = _tf_strategy(devices)
+
+    def step(shared, distributed):
+        def replica_fn(shared, own):
+            return fn(_replica_id(), *shared, *own)
+
+        return strategy.run(replica_fn, args=(shared, distributed))
+
+    step = tf.function(step, reduce_retracing=True) if compiled else step
+
+    def run(shared: tuple, per_replica: Sequence[tuple]) -> list:
+        distributed = strategy.experimental_distribute_values_from_function(
+            lambda ctx: per_replica[ctx.replica_id_in_sync_group]
+        )
+        with _unscaled_keras_losses():
+            outputs = step(shared, distributed)
+
+        def component(value, replica_id):
+            if value is None:
+                return None
+            local = strategy.experimental_local_results(value)
+            return local[replica_id] if len(local) > 1 else local[0]  # identical outputs collapse to one
+
+        return [tree.map_structure(lambda v: component(v, i), outputs) for i in range(len(devices))]
+
+    return run
