@@ -79,6 +79,7 @@ def install() -> None:
         return
     trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
     variable_cls.__init__ = _wrap_init(variable_cls.__init__)
-    model_cls.compile = _wrap_compile(model_cls.compile)
+    # On Trainer itself: Keras' `compile_from_config` compares `cls.compile` with `Trainer.compile`.
+    trainer_cls.compile = _wrap_compile(trainer_cls.compile)
     for name in KERAS_METHODS:
         setattr(model_cls, name, _wrap_method(name, getattr(model_cls, name)))

@@ -48,3 +48,18 @@ def test_a_model_compiled_under_another_strategy_is_refused():
             assert "created under" in str(error)
         else:
             raise AssertionError("compiling under another strategy must raise ValueError")
+
+
+def test_saved_models_load_compiled(tmp_path):
+    """`load_model` re-compiles a saved model (the compile hook must not look like an override)."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(loss="mse", optimizer="adam")
+    model.fit(np.ones((8, 3)), np.ones((8, 2)), verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.optimizer is not None
+    np.testing.assert_allclose(
+        loaded.evaluate(np.ones((8, 3)), np.ones((8, 2)), verbose=0),
+        model.evaluate(np.ones((8, 3)), np.ones((8, 2)), verbose=0), rtol=1e-6,
+    )
