@@ -6,7 +6,8 @@ import contextlib
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from keras_strategies.reduce_op import ReduceOp
-from keras_strategies.values import map_structure
+from keras_strategies import context, keras_state
+from keras_strategies.values import map_structure, regroup, select_replica
 from keras_strategies.backend import engine
 from keras_strategies.cross_device_ops import CrossDeviceOps, select_cross_device_ops
 from keras_strategies.devices import default_compute_devices, resolve_devices
@@ -33,13 +34,39 @@ class MirroredExtended(StrategyExtended):
         with engine.devices.device_scope(self._devices[0]):
             yield
 
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if self.num_replicas_in_sync == 1:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        snapshot = keras_state.capture()
+        strategy = self._container
+
+        def replica(replica_id, *_):
+            replica_context = context.ReplicaContext(strategy, replica_id, in_program=True)
+            with keras_state.installed(snapshot), context.enter_frame(strategy, replica_context):
+                return fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
+
+        run = engine.replicas.make_replicated(replica, self._devices, compiled=False)
+        return regroup(run((), [() for _ in self._devices]))
+
+    def _merge_call(self, replica_context, merge_fn, args, kwargs):
+        if self.num_replicas_in_sync == 1:
+            return super()._merge_call(replica_context, merge_fn, args, kwargs)
+        strategy = self._container
+
+        def merge(per_replica):
+            merged_args, merged_kwargs = regroup(per_replica)
+            with context.enter_frame(strategy, None):
+                return merge_fn(strategy, *merged_args, **merged_kwargs)
+
+        return engine.replicas.merge_call(merge, (tuple(args), dict(kwargs)))
+
     def _all_reduce(self, replica_context, reduce_op, value):
         if self.num_replicas_in_sync == 1:
             return value
         if not replica_context._in_program:
             raise NotImplementedError(
-                "ReplicaContext.all_reduce inside strategy.run with several replicas is not "
-                "supported yet; it works inside Keras fit/evaluate/predict steps."
+                "ReplicaContext.all_reduce needs the replicas to run together, inside "
+                "strategy.run or a Keras step of this strategy."
             )
 
         def reduce_one(leaf):
@@ -53,7 +80,8 @@ class MirroredExtended(StrategyExtended):
             return value
         if not replica_context._in_program:
             raise NotImplementedError(
-                "ReplicaContext.all_gather inside strategy.run with several replicas is not supported yet."
+                "ReplicaContext.all_gather needs the replicas to run together, inside "
+                "strategy.run or a Keras step of this strategy."
             )
         return map_structure(lambda leaf: engine.replicas.all_gather(leaf, axis), value)
 

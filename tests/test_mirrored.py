@@ -58,3 +58,39 @@ def test_reducing_a_plain_value_with_sum_over_several_replicas_is_refused():
     with pytest.raises(ValueError, match="non-DistributedValues value"):
         strategy.reduce("sum", np.float32(1.0), axis=None)
     assert float(ops.convert_to_numpy(strategy.reduce("mean", np.float32(1.0), axis=None))) == 1.0
+
+
+def test_collectives_inside_run():
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+
+    def fn():
+        context = ks.get_replica_context()
+        value = ops.convert_to_tensor(float(context.replica_id_in_sync_group + 1))
+        summed = context.all_reduce("sum", {"a": value, "b": [value * 2]})
+        mean = context.all_reduce(ks.ReduceOp.MEAN, value)
+        gathered = context.all_gather(ops.reshape(value, (1,)), axis=0)
+        merged = context.merge_call(lambda s, v: (ks.in_cross_replica_context(), s.experimental_local_results(v)), args=(value,))
+        return summed, mean, gathered, merged
+
+    summed, mean, gathered, merged = strategy.run(fn)
+    for i in range(3):
+        assert float(ops.convert_to_numpy(summed["a"].values[i])) == 6.0
+        assert float(ops.convert_to_numpy(summed["b"][0].values[i])) == 12.0
+        assert float(ops.convert_to_numpy(mean.values[i])) == 2.0
+        np.testing.assert_allclose(ops.convert_to_numpy(gathered.values[i]), [1.0, 2.0, 3.0])
+    in_cross_replica, local = merged
+    assert in_cross_replica is True
+    assert [float(ops.convert_to_numpy(v)) for v in local] == [1.0, 2.0, 3.0]
+
+
+def test_an_error_in_one_replica_stops_the_others_and_is_raised():
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+
+    def fn():
+        context = ks.get_replica_context()
+        if context.replica_id_in_sync_group == 1:
+            raise ValueError("replica 1 failed")
+        return context.all_reduce("sum", ops.ones(()))
+
+    with pytest.raises(ValueError, match="replica 1 failed"):
+        strategy.run(fn)

@@ -6,11 +6,12 @@ on the replica's shard, with in-step collectives available (synchronised
 BatchNormalization). Each replica's objective is weighted so that summing over
 replicas gives exactly the single-device loss of the global batch:
 
-    objective_i = data_loss_i * rows_i / B + additional_losses / num_replicas
+    objective_i = (data_loss_i + add_loss_terms_i) * rows_i / B + weight_regularizers / num_replicas
 
 (`data_loss_i` is the compiled loss of the shard, a mean over its `rows_i`
-rows; padding rows carry sample weight 0; regularisers and `add_loss` terms
-count once in total). Gradients are summed with the strategy's cross-device
+rows; padding rows carry sample weight 0; weight regularisers count once in
+total; `add_loss` terms are taken as per-batch means, so constants and means
+are exact, while a term that *sums* over the batch is scaled by the shard's share). Gradients are summed with the strategy's cross-device
 ops, clipped by the optimizer after that sum, and applied once. Metrics are
 updated once, on the whole global batch, so logs equal single-device logs.
 """
@@ -27,7 +28,7 @@ from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_strategies import context, keras_state
+from keras_strategies import context, keras_state, optimizer_hooks
 from keras_strategies.backend import engine
 from keras_strategies.batch_splitting import batch_size_of, shard_sizes, split_batch
 from keras_strategies.reduce_op import ReduceOp
@@ -130,8 +131,11 @@ class ReplicaStep:
         finally:
             if losses:
                 model._losses_override = []
-        additional = functools.reduce(ops.add, [model._aggregate_additional_loss(l) for l in losses]) if losses else 0.0
-        objective = (total - additional) * weights[0] + additional * weights[1]
+        # `model.losses` lists `add_loss` terms first and weight regularisers last.
+        count = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
+        regularization = losses[len(losses) - count:] if count else []
+        penalty = functools.reduce(ops.add, [model._aggregate_additional_loss(l) for l in regularization]) if regularization else 0.0
+        objective = (total - penalty) * weights[0] + penalty * weights[1]
         return objective * weights[2], (objective, y_pred, new_non_trainable)
 
     def _replica_train(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
@@ -215,8 +219,8 @@ class ReplicaStep:
         outputs = self._train(self._state(), per_replica)
         grads = self._reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
         (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
-        with engine.devices.device_scope(self.devices[0]):
-            model.optimizer.apply(grads, model.trainable_variables)
+        with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
+            engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
         self._assign_non_trainable([outputs[i][1][2] for i in shards.active])
         y_pred = self._global_predictions(shards, [aux[1] for _, aux in outputs])
         return self._update_metrics(shards, loss, y_pred)

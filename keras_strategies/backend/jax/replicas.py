@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
-from keras_strategies.backend.jax.devices import jax_device
+from keras_strategies import replica_threads
+from keras_strategies.backend.jax.devices import device_scope, jax_device
 
 EQUAL_SHARDS = True
 NATIVE_SYNC_BATCH_NORM = False
@@ -26,26 +27,61 @@ AXIS = "replica"
 _in_replica_program = {"active": False}
 
 
+def _on_device_of(values: list, reference: Any) -> list:
+    devices = jnp.asarray(reference).devices()
+    if len(devices) != 1:
+        return values
+    (device,) = devices
+    return [jax.device_put(v, device) for v in values]
+
+
 def all_reduce_sum(value: Any) -> Any:
-    """Sum of `value` over the replicas of the current program (inside a replica function)."""
-    if not _in_replica_program["active"]:
-        return value
-    return jax.lax.psum(value, AXIS)
+    """Sum of `value` over the replicas: `psum` in a compiled program, an exchange between
+    eager replica threads otherwise (not differentiable there)."""
+    if _in_replica_program["active"]:
+        return jax.lax.psum(value, AXIS)
+    values = _on_device_of(replica_threads.exchange(jnp.asarray(value)), value)
+    total = values[0]
+    for other in values[1:]:
+        total = total + other
+    return total
 
 
 def all_gather(value: Any, axis: int) -> Any:
-    """`value` of every replica concatenated along `axis` (equal shapes under SPMD)."""
-    if not _in_replica_program["active"]:
-        return jnp.asarray(value)
-    return jax.lax.all_gather(value, AXIS, axis=axis, tiled=True)
+    """`value` of every replica concatenated along `axis` (equal shapes in a compiled program)."""
+    if _in_replica_program["active"]:
+        return jax.lax.all_gather(value, AXIS, axis=axis, tiled=True)
+    values = _on_device_of(replica_threads.exchange(jnp.asarray(value)), value)
+    return jnp.concatenate(values, axis=axis)
+
+
+def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
+    """`fn(values of every replica)` once, its result returned to every replica (eager threads only)."""
+    if _in_replica_program["active"]:
+        raise NotImplementedError(
+            "merge_call is not available inside a compiled JAX replica program: every replica "
+            "runs the same traced code. Use all_reduce, or call strategy.run eagerly."
+        )
+    return replica_threads.merge_call(fn, value)
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:
     """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica.
 
-    `shared` is replicated on the mesh; `per_replica` entries must have equal
-    shapes. Results come back as one list entry per replica, each on its device.
+    Compiled: one jitted SPMD program; `shared` is replicated on the mesh and
+    `per_replica` entries must have equal shapes. Eager: replica threads (any
+    Python code, any shapes). Results come back as one entry per replica.
     """
+    if not compiled:
+        def run_eagerly(shared: tuple, per_replica: Sequence[tuple]) -> list:
+            if len(devices) == 1:
+                with device_scope(devices[0]):
+                    return [fn(0, *shared, *per_replica[0])]
+            return replica_threads.run(
+                lambda i: fn(i, *shared, *per_replica[i]), len(devices), lambda i: device_scope(devices[i])
+            )
+
+        return run_eagerly
     mesh = Mesh(np.array([jax_device(d) for d in devices]), (AXIS,))
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
 
@@ -59,7 +95,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Cal
         return tree.map_structure(lambda leaf: None if leaf is None else jnp.expand_dims(leaf, 0), outputs)
 
     program = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS), check_vma=False)
-    program = jax.jit(program) if compiled else program
+    program = jax.jit(program)
 
     def run(shared: tuple, per_replica: Sequence[tuple]) -> list:
         stacked = tree.map_structure(

@@ -64,6 +64,22 @@ def all_gather(value: Any, axis: int) -> Any:
     return context.all_gather(value, axis=axis)
 
 
+def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
+    """`fn(values of every replica)` once, in TensorFlow's cross-replica context."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return fn([value])
+
+    def merge_fn(strategy, value):
+        def component(leaf, replica_id):
+            local = strategy.experimental_local_results(leaf)
+            return local[replica_id] if len(local) > 1 else local[0]
+
+        return fn([tree.map_structure(lambda v: component(v, i), value) for i in range(strategy.num_replicas_in_sync)])
+
+    return context.merge_call(merge_fn, args=(value,))
+
+
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:
     """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica."""
     strategy = _tf_strategy(devices)

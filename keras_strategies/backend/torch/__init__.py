@@ -4,3 +4,4 @@ from keras_strategies.backend.torch import devices  # noqa: F401
 from keras_strategies.backend.torch import compiler  # noqa: F401
 from keras_strategies.backend.torch import gradients  # noqa: F401
 from keras_strategies.backend.torch import replicas  # noqa: F401
+from keras_strategies.backend.torch import optimizer  # noqa: F401

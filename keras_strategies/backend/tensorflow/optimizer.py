@@ -1,0 +1,68 @@
+"""Keras' TensorFlow optimizer, made usable in `tf.distribute` cross-replica context.
+
+Keras 3's TF optimizer always routes its update through
+`maybe_merge_call`, which needs a replica context and fails with
+`AttributeError: 'NoneType' object has no attribute 'merge_call'` in
+cross-replica context. Our optimizer hook applies the (already summed)
+gradients exactly there, inside a merge call, so the update is made
+directly with the optimizer's own strategy instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Iterator
+
+import tensorflow as tf
+from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+
+
+class _DirectExtended:
+    """`extended.update` for plain (non-distributed) variables: just run the update."""
+
+    @staticmethod
+    def update(var, fn, args=(), kwargs=None, group=True):
+        with tf.device(var.device):
+            return fn(var, *args, **(kwargs or {}))
+
+
+class _DirectUpdates:
+    extended = _DirectExtended()
+
+
+@contextlib.contextmanager
+def _direct_merge_calls() -> Iterator[None]:
+    interim = tf.__internal__.distribute.interim
+    original = interim.maybe_merge_call
+    interim.maybe_merge_call = lambda fn, strategy, *args, **kwargs: fn(_DirectUpdates(), *args, **kwargs)
+    try:
+        yield
+    finally:
+        interim.maybe_merge_call = original
+
+
+def _wrap(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if not tf.distribute.in_cross_replica_context():
+            return method(self, *args, **kwargs)
+        with _direct_merge_calls():
+            return method(self, *args, **kwargs)
+
+    wrapper._ks_original = method
+    return wrapper
+
+
+def install() -> None:
+    """Installs the cross-replica fix on Keras' TF optimizer (idempotent)."""
+    cls = keras_tf_optimizer.TFOptimizer
+    if hasattr(cls._backend_update_step, "_ks_original"):
+        return
+    cls._backend_update_step = _wrap(cls._backend_update_step)
+    cls._apply_weight_decay = _wrap(cls._apply_weight_decay)
+
+
+def apply_gradients(optimizer, grads, variables) -> None:
+    """Applies `grads` to `variables` with `optimizer` (one update); Keras' stateful `apply`."""
+    optimizer.apply(list(grads), list(variables))

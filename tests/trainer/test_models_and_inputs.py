@@ -1,0 +1,193 @@
+"""Models, layers and input types under MirroredStrategy (issue 3)."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_strategies as ks
+from test_loops import TOL, assert_same_training, regression_data  # noqa: E402
+
+BACKEND = keras.backend.backend()
+
+
+def functional_two_inputs():
+    a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+    hidden = keras.layers.Concatenate()([keras.layers.Dense(4, name="da")(a), b])
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(hidden))
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05), metrics=["mae"])
+    return model
+
+
+def dict_data(n):
+    rng = np.random.default_rng(7)
+    x = {"a": rng.uniform(size=(n, 3)).astype("float32"), "b": rng.uniform(size=(n, 2)).astype("float32")}
+    return x, (x["a"].sum(1, keepdims=True) - x["b"][:, :1]).astype("float32")
+
+
+class PenalisedModel(keras.Model):
+    """Subclassed, with a constant and a data-mean `add_loss`."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        hidden = self.hidden(x)
+        outputs = self.out(hidden)
+        self.add_loss(0.01 * ops.mean(ops.square(hidden)))
+        self.add_loss(1e-3 * ops.sum(ops.square(self.out.kernel)))
+        return outputs
+
+
+def penalised_model():
+    model = PenalisedModel()
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1))
+    model(np.zeros((1, 3), "float32"))
+    return model
+
+
+def test_dict_inputs_functional_model():
+    assert_same_training(functional_two_inputs, *dict_data(11), batch_size=4, replicas=3)
+
+
+def test_subclassed_model_with_add_loss_counts_each_term_once():
+    # 10 samples with batch 4 on 2 replicas: even shards (2+2, then 1+1), so the data-mean term
+    # is exact on every backend (JAX pads uneven shards, and padding rows would enter that mean).
+    assert_same_training(penalised_model, *regression_data(10), batch_size=4, replicas=2)
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        part = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[part], self.y[part]
+
+
+def _reference_and_mirrored(build, replicas):
+    reference = build()
+    strategy = ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    return reference, model
+
+
+def _assert_same_weights(model, reference):
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, **TOL)
+
+
+def test_py_dataset_and_generator_inputs():
+    from test_loops import dense_model
+
+    x, y = regression_data(10)
+    reference, model = _reference_and_mirrored(dense_model, 3)
+    expected = reference.fit(Batches(x, y, 4), epochs=2, shuffle=False, verbose=0).history
+    got = model.fit(Batches(x, y, 4), epochs=2, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], **TOL)
+    _assert_same_weights(model, reference)
+
+    def generator():
+        while True:
+            for start in range(0, 10, 4):
+                yield x[start:start + 4], y[start:start + 4]
+
+    expected = reference.fit(generator(), steps_per_epoch=3, epochs=2, verbose=0).history
+    got = model.fit(generator(), steps_per_epoch=3, epochs=2, verbose=0).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], **TOL)
+    _assert_same_weights(model, reference)
+    np.testing.assert_allclose(model.predict(Batches(x, y, 4), verbose=0), reference.predict(Batches(x, y, 4), verbose=0), **TOL)
+
+
+if BACKEND == "torch":
+
+    def test_torch_dataloader_input():
+        import torch
+        from test_loops import dense_model
+
+        x, y = regression_data(10)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y)), batch_size=4)
+        reference, model = _reference_and_mirrored(dense_model, 3)
+        expected = reference.fit(loader, epochs=2, verbose=0).history
+        got = model.fit(loader, epochs=2, verbose=0).history
+        np.testing.assert_allclose(got["loss"], expected["loss"], **TOL)
+        _assert_same_weights(model, reference)
+
+if BACKEND == "tensorflow":
+
+    def test_tf_data_input_with_partial_batch():
+        import tensorflow as tf
+        from test_loops import dense_model
+
+        x, y = regression_data(10)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+        reference, model = _reference_and_mirrored(dense_model, 3)
+        expected = reference.fit(dataset, epochs=2, verbose=0).history
+        got = model.fit(dataset, epochs=2, verbose=0).history
+        np.testing.assert_allclose(got["loss"], expected["loss"], **TOL)
+        _assert_same_weights(model, reference)
+
+
+def test_gradient_accumulation_and_initial_epoch():
+    def build():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+        return model
+
+    x, y = regression_data(12)
+    model = assert_same_training(build, x, y, batch_size=3, replicas=2, epochs=3, initial_epoch=1)
+    assert int(ops.convert_to_numpy(model.optimizer.iterations)) == 4  # 8 batches / 2 accumulation steps
+
+
+def test_gradients_are_clipped_after_the_sum_across_replicas():
+    """Each replica's gradient is [100, 100]-like; clipnorm=1 must clip the summed gradient."""
+
+    def build():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+        model.compile(loss="mae", optimizer=keras.optimizers.SGD(1.0, clipnorm=1.0))
+        return model
+
+    x = np.full((4, 2), 100.0, "float32")
+    y = np.full((4, 1), 1.0, "float32")
+    model = assert_same_training(build, x, y, batch_size=4, replicas=2, epochs=1)
+    np.testing.assert_allclose(model.get_weights()[0].ravel(), [0.70710677, 0.70710677], rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision(policy):
+    from test_loops import dense_model
+
+    keras.config.set_dtype_policy(policy)
+    try:
+        x, y = regression_data(10)
+        reference, model = _reference_and_mirrored(dense_model, 2)
+        assert model.layers[0].compute_dtype == policy.split("_")[1]
+        expected = reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        got = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-2, atol=1e-2)
+        for got_w, expected_w in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(got_w, expected_w, rtol=1e-2, atol=1e-2)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def test_dropout_trains_and_inference_matches_one_device():
+    def build():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8), keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer="sgd")
+        return model
+
+    x, y = regression_data(12)
+    reference, model = _reference_and_mirrored(build, 3)
+    history = model.fit(x, y, batch_size=6, epochs=2, verbose=0).history
+    assert np.all(np.isfinite(history["loss"]))
+    reference.set_weights(model.get_weights())
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), **TOL)
