@@ -8,6 +8,7 @@ that never enters a strategy scope.
 from keras_strategies import batch_norm as _batch_norm
 from keras_strategies import cluster_resolver
 from keras_strategies import devices as _devices
+from keras_strategies import loss_scaling as _loss_scaling
 from keras_strategies import optimizer_hooks as _optimizer_hooks
 from keras_strategies import keras_hooks as _keras_hooks
 from keras_strategies.cross_device_ops import (
@@ -46,6 +47,7 @@ _devices.configure_from_environment()
 _keras_hooks.install()
 _batch_norm.install()
 _optimizer_hooks.install()
+_loss_scaling.install()
 
 __all__ = [
     "ClusterSpec",

@@ -129,13 +129,23 @@ class ReplicaContext:
     backend engine; with one replica they return the value unchanged.
     """
 
-    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, row_mask: Any = None, in_program: bool = False):
+    def __init__(
+        self,
+        strategy: "Strategy",
+        replica_id_in_sync_group: int,
+        row_mask: Any = None,
+        in_program: bool = False,
+        gradient_weight: Optional[float] = None,
+    ):
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
         # Set by multi-replica steps: which rows of the replica's (padded) shard are real,
-        # and whether the replicas run together so that collectives can rendezvous.
+        # whether the replicas run together so that collectives can rendezvous, and (for a
+        # custom `train_step`) the replica's share of the global batch, by which the
+        # optimizer weights its gradients before summing them.
         self._row_mask = row_mask
         self._in_program = in_program
+        self._gradient_weight = gradient_weight
 
     @property
     def strategy(self) -> "Strategy":

@@ -55,12 +55,7 @@ def _wrap_apply(original: Callable) -> Callable:
             )
         if strategy.num_replicas_in_sync == 1:
             return original(self, grads, trainable_variables)
-        grads = list(grads)
-        if not getattr(_state, "skip_aggregation", False):
-            present = [i for i, g in enumerate(grads) if g is not None]
-            summed = replica_context.all_reduce(ReduceOp.SUM, [grads[i] for i in present])
-            for i, g in zip(present, summed):
-                grads[i] = g
+        grads = _aggregate(replica_context, grads)
 
         def update(_strategy):
             with direct_update():
@@ -72,6 +67,38 @@ def _wrap_apply(original: Callable) -> Callable:
 
     apply._ks_original = original
     return apply
+
+
+def _aggregate(replica_context: Any, grads: Any) -> list:
+    """Sums gradients over replicas, each weighted by its share of the batch when known."""
+    grads = list(grads)
+    if getattr(_state, "skip_aggregation", False):
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    weight = replica_context._gradient_weight
+    local = [grads[i] if weight is None else grads[i] * weight for i in present]
+    for i, g in zip(present, replica_context.all_reduce(ReduceOp.SUM, local)):
+        grads[i] = g
+    return grads
+
+
+def _wrap_stateless_apply(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        replica_context = context.get_replica_context()
+        if (
+            getattr(_state, "direct", False)
+            or not context.has_strategy()
+            or replica_context is None
+            or context.get_strategy().num_replicas_in_sync == 1
+        ):
+            return original(self, optimizer_variables, grads, trainable_variables)
+        # Every replica applies the same summed gradients to the same state: no merge needed.
+        with direct_update():
+            return original(self, optimizer_variables, _aggregate(replica_context, grads), trainable_variables)
+
+    stateless_apply._ks_original = original
+    return stateless_apply
 
 
 def _wrap_apply_gradients(original: Callable) -> Callable:
@@ -92,4 +119,5 @@ def install() -> None:
         return
     for cls in (base, loss_scale_optimizer.LossScaleOptimizer):
         cls.apply = _wrap_apply(cls.apply)
+        cls.stateless_apply = _wrap_stateless_apply(cls.stateless_apply)
     base.apply_gradients = _wrap_apply_gradients(base.apply_gradients)

@@ -21,17 +21,28 @@ from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_strategies.trainer.custom_step import CustomStep, overrides_step
 from keras_strategies.trainer.replica_step import ReplicaStep
 
 _STEP_ATTR = "_ks_replica_step"
 
 
-def replica_step(model: Any, strategy: Any) -> ReplicaStep:
-    """The model's step runner, rebuilt when the model is recompiled."""
+class _Steps:
+    """Per step kind, the model's own override (run per replica) or our replica step."""
+
+    def __init__(self, model: Any, strategy: Any):
+        standard, custom = ReplicaStep(model, strategy), CustomStep(model, strategy)
+        for kind in ("train", "test", "predict"):
+            runner = custom if overrides_step(model, kind) else standard
+            setattr(self, f"{kind}_step", getattr(runner, f"{kind}_step"))
+
+
+def replica_step(model: Any, strategy: Any) -> _Steps:
+    """The model's step runners, rebuilt when the model is recompiled."""
     step = getattr(model, _STEP_ATTR, None)
     key = (id(strategy), id(model.optimizer), id(model._compile_loss), model.run_eagerly)
     if step is None or step._key != key:
-        step = ReplicaStep(model, strategy)
+        step = _Steps(model, strategy)
         step._key = key
         object.__setattr__(model, _STEP_ATTR, step)
     return step

@@ -196,3 +196,36 @@ def test_synchronized_batch_norm_works_outside_strategies_on_every_backend():
     model = batch_norm_model(True)
     x = np.random.default_rng(0).normal(size=(4, 4, 4, 2)).astype("float32")
     model.fit(x, np.zeros((4, 1), "float32"), epochs=1, verbose=0)
+
+
+class CountingReduction(ks.CrossDeviceOps):
+    """A user-defined CrossDeviceOps: sums on the destination device and counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        self.calls += 1
+        return ks.ReductionToOneDevice().reduce(reduce_op, per_replica_value, destinations)
+
+
+@pytest.mark.parametrize(
+    "make_ops",
+    [ks.ReductionToOneDevice, lambda: ks.ReductionToOneDevice(reduce_to_device="cpu:2"),
+     ks.HierarchicalCopyAllReduce, lambda: ks.HierarchicalCopyAllReduce(num_packs=2), CountingReduction],
+    ids=["to-one-device", "to-cpu2", "hierarchical", "hierarchical-2-packs", "user-defined"],
+)
+def test_every_cross_device_ops_trains_like_one_device(make_ops):
+    x, y = regression_data(10)
+    reference = dense_model()
+    cross_device_ops = make_ops()
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"], cross_device_ops=cross_device_ops)
+    with strategy.scope():
+        model = dense_model()
+    model.set_weights(reference.get_weights())
+    reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, **TOL)
+    if isinstance(cross_device_ops, CountingReduction):
+        assert cross_device_ops.calls > 0

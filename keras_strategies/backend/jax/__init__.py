@@ -5,3 +5,4 @@ from keras_strategies.backend.jax import compiler  # noqa: F401
 from keras_strategies.backend.jax import gradients  # noqa: F401
 from keras_strategies.backend.jax import replicas  # noqa: F401
 from keras_strategies.backend.jax import optimizer  # noqa: F401
+from keras_strategies.backend.jax import trainer  # noqa: F401

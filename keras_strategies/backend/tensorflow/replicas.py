@@ -7,12 +7,10 @@ all-reduce, differentiable as in `tf.distribute`.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 from keras.src import tree
-from keras.src.losses import loss as keras_loss
 
 # tf.distribute accepts per-replica values of different shapes.
 EQUAL_SHARDS = False
@@ -30,18 +28,6 @@ def _tf_strategy(devices: Sequence[str]) -> tf.distribute.MirroredStrategy:
             names, cross_device_ops=tf.distribute.ReductionToOneDevice()
         )
     return _strategies[key]
-
-
-@contextlib.contextmanager
-def _unscaled_keras_losses() -> Iterator[None]:
-    """Keras divides mean losses by the replica count under `tf.distribute`; our
-    replica objective does its own global-batch weighting, so that is undone here."""
-    original = keras_loss.scale_loss_for_distribution
-    keras_loss.scale_loss_for_distribution = lambda value: value
-    try:
-        yield
-    finally:
-        keras_loss.scale_loss_for_distribution = original
 
 
 def _replica_id() -> int:
@@ -96,8 +82,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Cal
         distributed = strategy.experimental_distribute_values_from_function(
             lambda ctx: per_replica[ctx.replica_id_in_sync_group]
         )
-        with _unscaled_keras_losses():
-            outputs = step(shared, distributed)
+        outputs = step(shared, distributed)
 
         def component(value, replica_id):
             if value is None:

@@ -5,3 +5,4 @@ from keras_strategies.backend.torch import compiler  # noqa: F401
 from keras_strategies.backend.torch import gradients  # noqa: F401
 from keras_strategies.backend.torch import replicas  # noqa: F401
 from keras_strategies.backend.torch import optimizer  # noqa: F401
+from keras_strategies.backend.torch import trainer  # noqa: F401

@@ -1,0 +1,33 @@
+"""How a Keras model's own step is called on JAX: statelessly, `step(state, data) -> (logs, state)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Per step kind: the model's state as Keras' JAX trainer passes it, with how each
+# part is combined across replicas ("first": identical everywhere, "mean", "delta_sum").
+_STATE = {
+    "train": (("trainable_variables", "first"), ("non_trainable_variables", "mean"),
+              ("optimizer_variables", "first"), ("metrics_variables", "delta_sum")),
+    "test": (("trainable_variables", "first"), ("non_trainable_variables", "first"),
+             ("metrics_variables", "delta_sum")),
+    "predict": (("trainable_variables", "first"), ("non_trainable_variables", "first")),
+}
+
+
+def state_parts(model: Any, kind: str) -> list:
+    """`[(variables, policy), ...]` in the order of the step's state tuple."""
+    parts = []
+    for name, policy in _STATE[kind]:
+        variables = model.optimizer.variables if name == "optimizer_variables" else getattr(model, name)
+        parts.append((list(variables), policy))
+    return parts
+
+
+def call_step(model: Any, kind: str, data: Any) -> tuple[Any, Any]:
+    """Calls `model.<kind>_step`; returns `(logs or outputs, new state or None)`."""
+    state = tuple([v.value for v in variables] for variables, _ in state_parts(model, kind))
+    result = getattr(model, f"{kind}_step")(state, data)
+    if kind == "predict":  # (outputs, non_trainable_variables); inference changes no state
+        return result[0], None
+    return result

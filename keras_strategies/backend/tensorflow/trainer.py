@@ -1,0 +1,15 @@
+"""How a Keras model's own step is called here: statefully, `step(data) -> logs`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def state_parts(model: Any, kind: str) -> list:
+    """Stateful steps update the model's variables themselves: no state to combine."""
+    return []
+
+
+def call_step(model: Any, kind: str, data: Any) -> tuple[Any, Any]:
+    """Calls `model.<kind>_step(data)`; returns `(logs or outputs, None)`."""
+    return getattr(model, f"{kind}_step")(data), None

@@ -1,0 +1,61 @@
+"""Models overriding `train_step` / `test_step` / `predict_step` under MirroredStrategy (the documented contract)."""
+
+import keras
+import numpy as np
+
+import keras_strategies as ks
+from test_loops import TOL, regression_data  # noqa: E402
+
+
+class CountingModel(keras.Model):
+    """Overrides every step and defers to Keras' own (the signature differs per backend)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(4, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3))
+        self.out = keras.layers.Dense(1)
+        self.steps = {"train": 0, "test": 0, "predict": 0}
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, *args):
+        self.steps["train"] += 1
+        return super().train_step(*args)
+
+    def test_step(self, *args):
+        self.steps["test"] += 1
+        return super().test_step(*args)
+
+    def predict_step(self, *args):
+        self.steps["predict"] += 1
+        return super().predict_step(*args)
+
+
+def build():
+    model = CountingModel()
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05, clipnorm=1.0), metrics=["mae"])
+    model(np.zeros((1, 3), "float32"))
+    return model
+
+
+def test_custom_steps_run_per_replica_and_train_exactly_like_one_device():
+    x, y = regression_data(10)  # batch 4 on 3 replicas: shards [2, 1, 1], then [1, 1, 0]
+    reference = build()
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+    with strategy.scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    kwargs = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    expected, got = reference.fit(x, y, **kwargs).history, model.fit(x, y, **kwargs).history
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], err_msg=key, **TOL)
+    for got_w, expected_w in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got_w, expected_w, **TOL)
+    # 3 batches per epoch: 3 + 3 + 2 replica calls (the last batch leaves replica 2 empty).
+    assert model.steps["train"] == 2 * 8
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=4, verbose=0), reference.evaluate(x, y, batch_size=4, verbose=0), **TOL
+    )
+    np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0), reference.predict(x, batch_size=4, verbose=0), **TOL)
+    assert model.steps["test"] == 8 and model.steps["predict"] == 8
