@@ -27,13 +27,14 @@ from keras_strategies.context import (
     in_cross_replica_context,
 )
 from keras_strategies.devices import list_devices, set_virtual_cpu_devices
-from keras_strategies.input_context import (
+from keras_strategies.input.context import (
     InputContext,
     InputOptions,
     InputReplicationMode,
     RunOptions,
     ValueContext,
 )
+from keras_strategies.gradients import function, value_and_grad
 from keras_strategies.losses import compute_average_loss, scale_regularization_loss
 from keras_strategies.mirrored import MirroredStrategy
 from keras_strategies.one_device import OneDeviceStrategy
@@ -72,6 +73,7 @@ __all__ = [
     "cluster_resolver",
     "compute_average_loss",
     "experimental_set_strategy",
+    "function",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
@@ -79,4 +81,5 @@ __all__ = [
     "list_devices",
     "scale_regularization_loss",
     "set_virtual_cpu_devices",
+    "value_and_grad",
 ]

@@ -29,7 +29,9 @@ def strategy_of(obj: Any):
 
 def _record_current_strategy(obj: Any) -> None:
     if context.has_strategy():
-        object.__setattr__(obj, _STRATEGY_ATTR, context.get_strategy())
+        strategy = context.get_strategy()
+        object.__setattr__(obj, _STRATEGY_ATTR, strategy)
+        strategy.extended._track(obj)
 
 
 def _wrap_init(original: Callable) -> Callable:

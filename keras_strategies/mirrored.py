@@ -39,10 +39,12 @@ class MirroredExtended(StrategyExtended):
             return super()._call_for_each_replica(fn, args, kwargs)
         snapshot = keras_state.capture()
         strategy = self._container
+        variables = self._scope_variables()
 
         def replica(replica_id, *_):
             replica_context = context.ReplicaContext(strategy, replica_id, in_program=True)
-            with keras_state.installed(snapshot), context.enter_frame(strategy, replica_context):
+            mirrored = engine.replicas.mirrored_variables(variables, self._devices[replica_id], replica_id)
+            with keras_state.installed(snapshot), context.enter_frame(strategy, replica_context), mirrored:
                 return fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
 
         run = engine.replicas.make_replicated(replica, self._devices, compiled=False)

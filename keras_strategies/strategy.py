@@ -10,13 +10,14 @@ the extended object, which subclasses specialise per strategy.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from keras import ops
 
 from keras_strategies import context
 from keras_strategies.backend import engine
-from keras_strategies.input_context import ValueContext
+from keras_strategies.input.context import ValueContext
 from keras_strategies.reduce_op import ReduceOp
 from keras_strategies.values import (
     DistributedValues,
@@ -34,6 +35,7 @@ class StrategyExtended:
     def __init__(self, container_strategy: "Strategy", devices: Sequence[str]):
         self._container = container_strategy
         self._devices = tuple(devices)
+        self._variables: list = []
 
     # --- devices -------------------------------------------------------------
     @property
@@ -70,6 +72,18 @@ class StrategyExtended:
     def variable_created_in_scope(self, variable: Any) -> bool:
         """True only for variables created inside this strategy's scope."""
         return getattr(variable, "_ks_strategy", None) is self._container
+
+    def _track(self, obj: Any) -> None:
+        """Remembers variables created in scope (weakly), to mirror them on replica devices."""
+        from keras.src.backend.common.variables import Variable
+
+        if isinstance(obj, Variable):
+            self._variables.append(weakref.ref(obj))
+
+    def _scope_variables(self) -> list:
+        alive = [ref() for ref in self._variables]
+        self._variables = [weakref.ref(v) for v in alive if v is not None]
+        return [v for v in alive if v is not None]
 
     @contextlib.contextmanager
     def _scope_placement(self) -> Iterator[None]:
@@ -237,6 +251,26 @@ class Strategy:
         if any(leaves_are_distributed):
             return tuple(select_replica(i, value) for i in range(len(self._extended.worker_devices)))
         return (value,)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Splits each global batch of `dataset` across the replicas (see `input/distributed_dataset.py`)."""
+        from keras_strategies.input.distributed_dataset import DistributedDataset
+
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """Calls `dataset_fn(InputContext)`; its per-replica batches go to the replicas in turn."""
+        from keras_strategies.input.distributed_dataset import DistributedDatasetsFromFunction
+
+        return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    def make_experimental_numpy_dataset(self, numpy_input: Any) -> Any:
+        """A dataset of the rows of `numpy_input` (arrays or a structure of them), sliced lazily."""
+        from keras_strategies.input.numpy_dataset import NumpyDataset
+
+        return NumpyDataset(numpy_input)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """Calls `value_fn(ValueContext)` once per replica and returns the values as `PerReplica`."""

@@ -29,6 +29,15 @@ class DistributedValues:
     def __len__(self) -> int:
         return len(self._values)
 
+    # TensorFlow's nest protocol: `tf.function` traces through the components instead of
+    # treating a distributed value as an opaque (retrace-every-call) Python object.
+    def __tf_flatten__(self):
+        return len(self._values), self._values
+
+    @classmethod
+    def __tf_unflatten__(cls, metadata, components):
+        return cls(components)
+
     def __repr__(self) -> str:
         inner = ",\n  ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))
         return f"{type(self).__name__}:{{\n  {inner}\n}}"

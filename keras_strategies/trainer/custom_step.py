@@ -27,7 +27,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_strategies import context, keras_state
 from keras_strategies.backend import engine
-from keras_strategies.batch_splitting import batch_size_of, shard_sizes, split_batch
+from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
 
 
 def overrides_step(model: Any, kind: str) -> bool:

@@ -9,3 +9,9 @@ import jax
 
 def compile_function(fn: Callable) -> Callable:
     return jax.jit(fn)
+
+
+def compile_step(fn: Callable) -> Callable:
+    """A user's distributed step runs eagerly: it updates stateful Keras variables,
+    which `jax.jit` cannot trace (Keras' fit uses stateless steps instead)."""
+    return fn

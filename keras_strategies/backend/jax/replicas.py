@@ -8,7 +8,8 @@ pass a mask (see `EQUAL_SHARDS`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
+from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
 
 from keras_strategies import replica_threads
 from keras_strategies.backend.jax.devices import device_scope, jax_device
@@ -63,6 +65,51 @@ def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
             "runs the same traced code. Use all_reduce, or call strategy.run eagerly."
         )
     return replica_threads.merge_call(fn, value)
+
+
+class _ReplicaScope(StatelessScope):
+    """Reads variables from this replica's copies; records what the replica assigns.
+
+    Lookups fall back to an enclosing scope, so nested stateless code (e.g.
+    `ks.value_and_grad`) still sees the replica's copies.
+    """
+
+    def __init__(self, state_mapping):
+        self.parent = get_stateless_scope()
+        super().__init__(state_mapping=state_mapping)
+        self.assigned: dict = {}
+
+    def add_update(self, update):
+        super().add_update(update)
+        self.assigned[id(update[0])] = update[0]
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        if value is None and self.parent is not None:
+            return self.parent.get_current_value(variable)
+        return value
+
+
+@contextlib.contextmanager
+def mirrored_variables(variables: Sequence[Any], device: str, replica_id: int) -> Iterator[None]:
+    """Replica `replica_id` computes with copies of `variables` on its own device.
+
+    Replica 0 uses the primary variables. Other replicas' writes are merged
+    back at the end: summed for `aggregation="sum"` variables (metric state),
+    dropped otherwise (the primary copy is replica 0's, as in tf.distribute).
+    """
+    if replica_id == 0 or not variables:
+        yield
+        return
+    target = jax_device(device)
+    copies = {id(v): jax.device_put(v.value, target) for v in variables}
+    with _ReplicaScope([(v, copies[id(v)]) for v in variables]) as scope:
+        yield
+    for variable in scope.assigned.values():
+        if getattr(variable, "aggregation", None) == "sum" and id(variable) in copies:
+            delta = scope.get_current_value(variable) - copies[id(variable)]
+            primary = variable.value
+            variable.assign(primary + jax.device_put(delta, next(iter(primary.devices()))))
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:

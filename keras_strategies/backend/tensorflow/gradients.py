@@ -19,3 +19,14 @@ def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tu
         return (objective, aux), grads
 
     return wrapped
+
+
+def variables_value_and_grad(fn: Callable[..., Any], variables: list, args: tuple, kwargs: dict) -> tuple[Any, list]:
+    """`(fn(*args, **kwargs), d fn / d variables)` for Keras variables, with a `GradientTape`."""
+    targets = [getattr(v, "value", v) for v in variables]
+    with tf.GradientTape() as tape:
+        tape.watch(targets)
+        output = fn(*args, **kwargs)
+    value = output[0] if isinstance(output, tuple) else output
+    grads = tape.gradient(value, targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return output, grads

@@ -7,6 +7,8 @@ all-reduce, differentiable as in `tf.distribute`.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
@@ -64,6 +66,11 @@ def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
         return fn([tree.map_structure(lambda v: component(v, i), value) for i in range(strategy.num_replicas_in_sync)])
 
     return context.merge_call(merge_fn, args=(value,))
+
+
+def mirrored_variables(variables: Sequence[Any], device: str, replica_id: int) -> contextlib.AbstractContextManager:
+    """Replicas read the primary variables directly (the backend copies across devices)."""
+    return contextlib.nullcontext()
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:

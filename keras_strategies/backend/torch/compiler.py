@@ -7,3 +7,8 @@ from typing import Callable
 
 def compile_function(fn: Callable) -> Callable:
     return fn
+
+
+def compile_step(fn: Callable) -> Callable:
+    """A user's distributed step runs eagerly, like Keras' torch trainer by default."""
+    return fn

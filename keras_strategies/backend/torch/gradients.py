@@ -24,3 +24,15 @@ def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tu
         return (objective.detach(), tree.map_structure(detach, aux)), grads
 
     return wrapped
+
+
+def variables_value_and_grad(fn: Callable[..., Any], variables: list, args: tuple, kwargs: dict) -> tuple[Any, list]:
+    """`(fn(*args, **kwargs), d fn / d variables)` for Keras variables, with `torch.autograd.grad`."""
+    targets = [getattr(v, "value", v) for v in variables]
+    with torch.enable_grad():
+        output = fn(*args, **kwargs)
+        value = output[0] if isinstance(output, tuple) else output
+        found = torch.autograd.grad(value, targets, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, found)]
+    detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tree.map_structure(detach, output), grads

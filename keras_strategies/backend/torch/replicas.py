@@ -7,6 +7,8 @@ all-reduces the incoming gradients the same way.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, Sequence
 
 import torch
@@ -53,6 +55,11 @@ def all_gather(value: Any, axis: int) -> Any:
 def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     """`fn(values of every replica)` once, its result returned to every replica."""
     return replica_threads.merge_call(fn, value)
+
+
+def mirrored_variables(variables: Sequence[Any], device: str, replica_id: int) -> contextlib.AbstractContextManager:
+    """Replicas read the primary variables directly (the backend copies across devices)."""
+    return contextlib.nullcontext()
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:

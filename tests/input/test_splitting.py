@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from keras_strategies.batch_splitting import batch_size_of, shard_sizes, split_batch
+from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,1 @@
+"""Input for distributed training: contexts and options, batch splitting, distributed datasets."""

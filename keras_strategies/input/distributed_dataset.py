@@ -1,0 +1,156 @@
+"""Distributed datasets: each element is one global step, split into one value per replica.
+
+`experimental_distribute_dataset` takes batches of the *global* batch size
+and splits each across the replicas (sizes differ by at most one; replicas
+beyond the batch size get empty batches). `distribute_datasets_from_function`
+takes a dataset batched *per replica* and gives each replica the next element.
+Iteration stops only when no replica has data, so no sample is dropped.
+Sources: `tf.data.Dataset` (on every backend), `NumpyDataset`, `keras.utils.PyDataset`,
+or any Python iterable of batches (NumPy structures or backend tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+from keras import ops
+from keras.src import tree
+
+from keras_strategies.backend import engine
+from keras_strategies.input.context import InputContext, InputOptions, InputReplicationMode
+from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
+from keras_strategies.values import PerReplica, regroup
+
+
+def _batches(source: Any) -> Iterator[Any]:
+    """Iterates any supported source as NumPy structures."""
+    # A list is an iterable of batches; an array, or a tuple/dict of arrays, is unbatched data.
+    if isinstance(source, np.ndarray) or (isinstance(source, (tuple, dict)) and source and all(
+        isinstance(leaf, np.ndarray) for leaf in tree.flatten(source)
+    )):
+        raise ValueError(
+            "Distribute a dataset of batches, not raw arrays: e.g. "
+            "`strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset((x, y)).batch(64))`."
+        )
+    if hasattr(source, "as_numpy_iterator"):  # tf.data.Dataset
+        return iter(source.as_numpy_iterator())
+    if hasattr(source, "__getitem__") and hasattr(source, "num_batches"):  # keras.utils.PyDataset
+        return (source[i] for i in range(source.num_batches))
+    return (tree.map_structure(lambda leaf: ops.convert_to_numpy(leaf), batch) for batch in source)
+
+
+def _empty_like(structure: Any) -> Any:
+    return tree.map_structure(lambda leaf: np.zeros((0,) + np.shape(leaf)[1:], dtype=np.asarray(leaf).dtype), structure)
+
+
+class OptionalValue:
+    """What `get_next_as_optional` returns: a value, or nothing at the end of the data."""
+
+    def __init__(self, value: Any = None, has_value: bool = False):
+        self._value, self._has_value = value, has_value
+
+    def has_value(self) -> bool:
+        return self._has_value
+
+    def get_value(self) -> Any:
+        if not self._has_value:
+            raise ValueError("The optional has no value: the distributed iterator is exhausted.")
+        return self._value
+
+
+class DistributedIterator:
+    """Iterator over global steps; each element holds one value per replica."""
+
+    def __init__(self, next_step: Callable[[], Any]):
+        self._next_step = next_step
+
+    def __iter__(self) -> "DistributedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        return self._next_step()
+
+    def get_next(self) -> Any:
+        return self._next_step()
+
+    def get_next_as_optional(self) -> OptionalValue:
+        try:
+            return OptionalValue(self._next_step(), True)
+        except StopIteration:
+            return OptionalValue()
+
+
+class _Distributed:
+    def __init__(self, strategy: Any, options: Optional[InputOptions]):
+        self._strategy = strategy
+        self._options = options or InputOptions()
+        self._devices = strategy.extended.worker_devices
+
+    def _place(self, per_replica_values: list) -> Any:
+        """One structure whose leaves hold each replica's value on that replica's device."""
+        fetch = self._options.experimental_fetch_to_device is not False
+
+        def place(leaf, device):
+            tensor = ops.convert_to_tensor(leaf)
+            return engine.devices.copy_to(tensor, device) if fetch else tensor
+
+        placed = [tree.map_structure(lambda leaf: place(leaf, d), v) for v, d in zip(per_replica_values, self._devices)]
+        return placed[0] if len(placed) == 1 else regroup(placed, PerReplica)
+
+    def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
+
+class DistributedDataset(_Distributed):
+    """`strategy.experimental_distribute_dataset(dataset)`: global batches split across replicas."""
+
+    def __init__(self, strategy: Any, dataset: Any, options: Optional[InputOptions] = None):
+        super().__init__(strategy, options)
+        if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
+            raise NotImplementedError(
+                "InputReplicationMode.PER_REPLICA is only supported with "
+                "`distribute_datasets_from_function`."
+            )
+        self._dataset = dataset
+
+    def __iter__(self) -> DistributedIterator:
+        batches = _batches(self._dataset)
+        num_replicas = len(self._devices)
+
+        def next_step():
+            batch = next(batches)
+            return self._place(split_batch(batch, shard_sizes(batch_size_of(batch), num_replicas)))
+
+        return DistributedIterator(next_step)
+
+
+class DistributedDatasetsFromFunction(_Distributed):
+    """`strategy.distribute_datasets_from_function(fn)`: each replica takes the next per-replica batch."""
+
+    def __init__(self, strategy: Any, dataset_fn: Callable[[InputContext], Any], options: Optional[InputOptions] = None):
+        super().__init__(strategy, options)
+        context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                               num_replicas_in_sync=strategy.num_replicas_in_sync)
+        self._dataset = dataset_fn(context)
+
+    def __iter__(self) -> DistributedIterator:
+        batches = _batches(self._dataset)
+        num_replicas = len(self._devices)
+
+        def next_step():
+            elements = []
+            for _ in range(num_replicas):
+                try:
+                    elements.append(next(batches))
+                except StopIteration:
+                    break
+            if not elements:
+                raise StopIteration
+            elements += [_empty_like(elements[0])] * (num_replicas - len(elements))
+            return self._place(elements)
+
+        return DistributedIterator(next_step)

@@ -1,0 +1,116 @@
+"""The distributed-training guide's custom loop, ported to ks, equals the same loop without a strategy."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_strategies as ks
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def data(n=48):
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(n, 1)).astype("float32")
+    return x, (x > 0.2).astype("float32")
+
+
+def run_guide_loop(strategy, global_batch_size, n=48, pass_global_batch_size=False, explicit_steps=10):
+    """The guide's loop with `ks` for `tf.distribute` and `ks.value_and_grad` for the tape."""
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones", kernel_regularizer=keras.regularizers.L2(1e-4))]
+        )
+        optimizer = keras.optimizers.SGD(0.1)
+    dataset = strategy.make_experimental_numpy_dataset(data(n)).batch(global_batch_size)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    loss_object = keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
+
+    def compute_loss(labels, predictions):
+        per_example_loss = loss_object(labels, predictions)
+        if pass_global_batch_size:
+            loss = ks.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
+        else:
+            loss = ks.compute_average_loss(per_example_loss)
+        if model.losses:
+            loss += ks.scale_regularization_loss(ops.sum(ops.stack(model.losses)))
+        return loss
+
+    def train_step(inputs):
+        features, labels = inputs
+
+        def loss_fn():
+            return compute_loss(labels, model(features, training=True))
+
+        loss, gradients = ks.value_and_grad(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @ks.function
+    def distributed_train_step(dist_inputs):
+        per_replica_losses = strategy.run(train_step, args=(dist_inputs,))
+        return strategy.reduce(ks.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    losses = [float(ops.convert_to_numpy(distributed_train_step(inputs))) for inputs in dist_dataset]
+    iterator = iter(strategy.experimental_distribute_dataset(dataset.repeat()))
+    losses += [float(ops.convert_to_numpy(distributed_train_step(next(iterator)))) for _ in range(explicit_steps)]
+    return losses, model.get_weights()
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_guide_loop_equals_no_strategy(replicas):
+    expected_losses, expected_weights = run_guide_loop(ks.get_strategy(), 12)
+    strategy = ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    losses, weights = run_guide_loop(strategy, 12)
+    np.testing.assert_allclose(losses, expected_losses, **TOL)
+    for got, expected in zip(weights, expected_weights):
+        np.testing.assert_allclose(got, expected, **TOL)
+
+
+def test_explicit_global_batch_size_with_a_partial_last_batch_trains_like_one_device():
+    # 10 samples, batch 4 on 3 replicas: shards [2, 1, 1] twice, then [1, 1, 0].
+    expected_losses, expected_weights = run_guide_loop(ks.get_strategy(), 4, n=10, pass_global_batch_size=True, explicit_steps=3)
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+    losses, weights = run_guide_loop(strategy, 4, n=10, pass_global_batch_size=True, explicit_steps=3)
+    np.testing.assert_allclose(losses, expected_losses, **TOL)
+    for got, expected in zip(weights, expected_weights):
+        np.testing.assert_allclose(got, expected, **TOL)
+
+
+if keras.backend.backend() == "tensorflow":
+
+    def test_the_guide_verbatim_on_tensorflow_with_gradient_tape_and_tf_function():
+        import tensorflow as tf
+
+        def run(strategy):
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones", kernel_regularizer=keras.regularizers.L2(1e-4))])
+                optimizer = keras.optimizers.SGD(0.1)
+            dataset = tf.data.Dataset.from_tensor_slices(data()).batch(12)
+            dist_dataset = strategy.experimental_distribute_dataset(dataset)
+            loss_object = keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
+
+            def train_step(inputs):
+                features, labels = inputs
+                with tf.GradientTape() as tape:
+                    predictions = model(features, training=True)
+                    loss = ks.compute_average_loss(loss_object(labels, predictions))
+                    loss += ks.scale_regularization_loss(tf.add_n(model.losses))
+                gradients = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+                return loss
+
+            @tf.function
+            def distributed_train_step(dist_inputs):
+                per_replica_losses = strategy.run(train_step, args=(dist_inputs,))
+                return strategy.reduce(ks.ReduceOp.SUM, per_replica_losses, axis=None)
+
+            losses = [float(distributed_train_step(x)) for x in dist_dataset]
+            return losses, model.get_weights()
+
+        expected_losses, expected_weights = run(ks.get_strategy())
+        losses, weights = run(ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"]))
+        np.testing.assert_allclose(losses, expected_losses, **TOL)
+        for got, expected in zip(weights, expected_weights):
+            np.testing.assert_allclose(got, expected, **TOL)
