@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from keras_strategies.reduce_op import ReduceOp
 from keras_strategies import context, keras_state
@@ -16,23 +15,13 @@ from keras_strategies.strategy import Strategy, StrategyExtended
 
 class MirroredExtended(StrategyExtended):
     def __init__(self, container, devices: Sequence[str], cross_device_ops: Optional[CrossDeviceOps]):
-        super().__init__(container, devices)
+        super().__init__(container, devices, place_variables=True)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise ValueError(
                 f"cross_device_ops must be a ks.CrossDeviceOps (e.g. ks.ReductionToOneDevice()), "
                 f"got {cross_device_ops!r}."
             )
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._devices)
-
-    @property
-    def host_device(self) -> str:
-        return self._devices[0]
-
-    @contextlib.contextmanager
-    def _scope_placement(self) -> Iterator[None]:
-        # The primary copy of every variable lives on the first replica device.
-        with engine.devices.device_scope(self._devices[0]):
-            yield
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if self.num_replicas_in_sync == 1:

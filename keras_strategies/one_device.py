@@ -2,23 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
-from keras_strategies.backend import engine
 from keras_strategies.devices import resolve_devices
 from keras_strategies.strategy import Strategy, StrategyExtended
-
-
-class _OneDeviceExtended(StrategyExtended):
-    @property
-    def host_device(self) -> str:
-        return self._devices[0]
-
-    @contextlib.contextmanager
-    def _scope_placement(self) -> Iterator[None]:
-        with engine.devices.device_scope(self._devices[0]):
-            yield
 
 
 class OneDeviceStrategy(Strategy):
@@ -29,4 +14,4 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device: str):
-        super().__init__(_OneDeviceExtended(self, resolve_devices([device])))
+        super().__init__(StrategyExtended(self, resolve_devices([device]), place_variables=True))

@@ -32,10 +32,12 @@ from keras_strategies.values import (
 class StrategyExtended:
     """Strategy internals (`strategy.extended`): devices, per-replica calls, reductions."""
 
-    def __init__(self, container_strategy: "Strategy", devices: Sequence[str]):
+    def __init__(self, container_strategy: "Strategy", devices: Sequence[str], place_variables: bool = False):
         self._container = container_strategy
         self._devices = tuple(devices)
         self._variables: list = []
+        # Strategies that own devices keep variables (and cross-replica results) on the first one.
+        self._place_variables = place_variables
 
     # --- devices -------------------------------------------------------------
     @property
@@ -51,7 +53,7 @@ class StrategyExtended:
     @property
     def host_device(self) -> str:
         """Where cross-replica results (`reduce`, `gather`) are placed."""
-        return "cpu:0"
+        return self._devices[0] if self._place_variables else "cpu:0"
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -87,8 +89,12 @@ class StrategyExtended:
 
     @contextlib.contextmanager
     def _scope_placement(self) -> Iterator[None]:
-        """Device placement while in `scope()`; none by default."""
-        yield
+        """Device placement while in `scope()`: the first device, for strategies that own devices."""
+        if not self._place_variables:
+            yield
+            return
+        with engine.devices.device_scope(self._devices[0]):
+            yield
 
     # --- replica execution ---------------------------------------------------
     def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -55,6 +55,15 @@ def _set_mode(model: Any, training: bool) -> None:
         mode()
 
 
+def _callback_list(callbacks, model, verbose, steps, epochs=1, add_history=False):
+    if isinstance(callbacks, callbacks_module.CallbackList):
+        return callbacks
+    return callbacks_module.CallbackList(
+        callbacks, add_history=add_history, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
+        steps=steps, model=model,
+    )
+
+
 def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
         validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, sample_weight=None,
         initial_epoch=0, steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
@@ -77,11 +86,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     )
     model._symbolic_build(iterator=epoch_iterator)
     epoch_iterator.reset()
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
-            steps=epoch_iterator.num_batches, model=model,
-        )
+    callbacks = _callback_list(callbacks, model, verbose, epoch_iterator.num_batches, epochs, add_history=True)
     step = replica_step(model, strategy)
     model.stop_training = False
     training_logs = {}
@@ -130,11 +135,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     )
     model._symbolic_build(iterator=epoch_iterator)
     epoch_iterator.reset()
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-            steps=epoch_iterator.num_batches, model=model,
-        )
+    callbacks = _callback_list(callbacks, model, verbose, epoch_iterator.num_batches)
     step = replica_step(model, strategy)
     _set_mode(model, False)
     model.stop_evaluating = False
@@ -160,11 +161,7 @@ def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, cal
         x=x, batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
         steps_per_execution=model.steps_per_execution,
     )
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-            steps=epoch_iterator.num_batches, model=model,
-        )
+    callbacks = _callback_list(callbacks, model, verbose, epoch_iterator.num_batches)
     step = replica_step(model, strategy)
     _set_mode(model, False)
     model.stop_predicting = False
