@@ -27,6 +27,8 @@ class ReplicaGroup:
         self.slots: list = [None] * size
         self.results: dict = {}
         self.error: Optional[BaseException] = None
+        self.pending = 0  # replicas waiting in the current collective
+        self.finished: set = set()
 
     def _wait(self, predicate: Callable[[], bool]) -> None:
         self.condition.wait_for(lambda: self.error is not None or predicate())
@@ -37,8 +39,18 @@ class ReplicaGroup:
         with self.condition:
             self._wait(lambda: self.turn == replica_id)
 
+    def _mismatch(self, replica_id: int) -> RuntimeError:
+        return RuntimeError(
+            f"Replica {replica_id} and other replicas made different collective calls (all_reduce, "
+            "all_gather, merge_call, apply_gradients): every replica must make the same calls in the "
+            "same order, or the others would wait forever."
+        )
+
     def finish(self, replica_id: int) -> None:
         with self.condition:
+            if self.pending:
+                self.error = self._mismatch(replica_id)
+            self.finished.add(replica_id)
             self.turn = replica_id + 1
             self.condition.notify_all()
 
@@ -50,13 +62,19 @@ class ReplicaGroup:
     def exchange(self, replica_id: int, value: Any) -> list:
         """Every replica's `value`, once all replicas have reached this collective."""
         with self.condition:
+            if self.finished:
+                self.error = self._mismatch(replica_id)
+                self.condition.notify_all()
+                raise self.error
             self.slots[replica_id] = value
             generation = self.generation
             if replica_id == self.size - 1:
                 self.results = {generation: list(self.slots)}
                 self.generation += 1
+                self.pending = 0
                 self.turn = 0
             else:
+                self.pending += 1
                 self.turn = replica_id + 1
             self.condition.notify_all()
             self._wait(lambda: self.generation > generation and self.turn == replica_id)
@@ -101,7 +119,8 @@ def run(fn: Callable[[int], Any], size: int, replica_scope: Callable[[int], Cont
                 results[replica_id] = fn(replica_id)
             group.finish(replica_id)
         except Aborted:
-            pass
+            if group.error is not None and not errors:
+                errors.append(group.error)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller
             errors.append(error)
             group.abort(error)

@@ -129,3 +129,16 @@ def test_all_reduce_is_differentiable():
     # The all-reduce's backward pass sums the cotangents of every replica's loss (2 * 3w each):
     # replica i gets 12 * scale_i, and the sum over replicas, 36, is d(L_1 + L_2)/dw.
     assert [float(ops.convert_to_numpy(g)) for g in grads.values] == pytest.approx([12.0, 24.0])
+
+
+def test_replicas_making_different_collective_calls_fail_instead_of_hanging():
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+
+    def fn():
+        context = ks.get_replica_context()
+        if context.replica_id_in_sync_group == 0:
+            return context.all_reduce("sum", ops.ones(()))
+        return None
+
+    with pytest.raises(RuntimeError, match="different collective calls|merge_call"):
+        strategy.run(fn)
