@@ -98,7 +98,7 @@ def test_validation_split_sample_weight_and_class_weight():
 
 
 def test_seed_snippet_runs_with_datasets_numpy_and_a_replica_scaled_batch():
-    tf = pytest.importorskip("tensorflow") if keras.backend.backend() == "tensorflow" else None
+    tf = __import__("tensorflow") if keras.backend.backend() == "tensorflow" else None
     strategy = ks.MirroredStrategy()
     with strategy.scope():
         model = keras.Sequential(

@@ -18,9 +18,9 @@ from pathlib import Path
 import keras
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+import ipykernel  # noqa: F401  (the kernel that runs the notebooks; a missing one must fail, not skip)
+import nbclient
+import nbformat
 
 TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
