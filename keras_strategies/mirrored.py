@@ -77,6 +77,9 @@ class MirroredExtended(StrategyExtended):
         return map_structure(lambda leaf: engine.replicas.all_gather(leaf, axis), value)
 
     def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+        if self.num_replicas_in_sync == 1:
+            # Nothing to split or reduce: Keras' own compiled step, on the one device.
+            return super()._run_keras_method(name, method, model, args, kwargs)
         from keras_strategies.trainer.loops import LOOPS
 
         with self._container.scope():
