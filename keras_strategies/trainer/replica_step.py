@@ -26,6 +26,7 @@ import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
 from keras.src import tree
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_strategies import context, keras_state, optimizer_hooks
@@ -102,6 +103,7 @@ class ReplicaStep:
         compiled = not model.run_eagerly
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
+        self._compiled_metrics = None
         make = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=compiled)
         self._train = make(self._replica_train)
         self._test = make(self._replica_test)
@@ -164,8 +166,8 @@ class ReplicaStep:
 
     def _loss_scale(self) -> float:
         optimizer = self.model.optimizer
-        if optimizer is None or not hasattr(optimizer, "scale_loss"):
-            return 1.0
+        if not isinstance(optimizer, LossScaleOptimizer):
+            return 1.0  # no blocking read of a constant 1 every step
         return float(ops.convert_to_numpy(optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32"))))
 
     def _weights(self, shards: Shards, loss_scale: float) -> list:
@@ -204,11 +206,19 @@ class ReplicaStep:
             return parts[0]
         return tree.map_structure(lambda *leaves: ops.concatenate(leaves, axis=0), *parts)
 
+    def _metrics_update(self, loss, batch, x, y, y_pred, sample_weight):
+        self.model._loss_tracker.update_state(loss, sample_weight=batch)
+        return self.model.compute_metrics(x, y, y_pred, sample_weight)
+
     def _update_metrics(self, shards: Shards, loss: Any, y_pred: Any) -> dict:
+        """Updates the metrics once on the global batch (compiled, as Keras' own steps)."""
         model = self.model
+        if self._compiled_metrics is None:
+            compile_fn = (lambda fn, _: fn) if model.run_eagerly else engine.compiler.compile_stateful
+            self._compiled_metrics = compile_fn(self._metrics_update, model.metrics_variables)
         with engine.devices.device_scope(self.devices[0]):
-            model._loss_tracker.update_state(loss, sample_weight=shards.batch)
-            return model.compute_metrics(shards.x, shards.y, y_pred, shards.sample_weight)
+            batch = ops.convert_to_tensor(float(shards.batch), "float32")
+            return self._compiled_metrics(loss, batch, shards.x, shards.y, y_pred, shards.sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
     def train_step(self, data: Any) -> dict:

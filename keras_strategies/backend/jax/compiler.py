@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -15,3 +15,27 @@ def compile_step(fn: Callable) -> Callable:
     """A user's distributed step runs eagerly: it updates stateful Keras variables,
     which `jax.jit` cannot trace (Keras' fit uses stateless steps instead)."""
     return fn
+
+
+def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
+    """Compiles `fn`, which updates `state_variables` (e.g. metric state), as Keras' JAX
+    trainer does: run statelessly under `jax.jit`, then assign the new values."""
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    state_variables = list(state_variables)
+
+    def pure(values, *args):
+        with StatelessScope(state_mapping=list(zip(state_variables, values))) as scope:
+            output = fn(*args)
+        new_values = [scope.get_current_value(v) for v in state_variables]
+        return output, [old if new is None else new for old, new in zip(values, new_values)]
+
+    jitted = jax.jit(pure)
+
+    def call(*args):
+        output, new_values = jitted([v.value for v in state_variables], *args)
+        for variable, value in zip(state_variables, new_values):
+            variable.assign(value)
+        return output
+
+    return call

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
@@ -14,3 +14,8 @@ def compile_function(fn: Callable) -> Callable:
 def compile_step(fn: Callable) -> Callable:
     """A user's distributed step: `tf.function`, as in TensorFlow's guides."""
     return tf.function(fn)
+
+
+def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
+    """Compiles `fn`, which updates Keras variables in place, with `tf.function`."""
+    return tf.function(fn, reduce_retracing=True)

@@ -63,6 +63,18 @@ def install() -> None:
     cls._apply_weight_decay = _wrap(cls._apply_weight_decay)
 
 
+_COMPILED = "_ks_compiled_apply"
+
+
 def apply_gradients(optimizer, grads, variables) -> None:
-    """Applies `grads` to `variables` with `optimizer` (one update); Keras' stateful `apply`."""
-    optimizer.apply(list(grads), list(variables))
+    """Applies `grads` to `variables` with `optimizer` (one update): Keras' `apply` in a
+    `tf.function`, cached per optimizer and variable list (eagerly it costs hundreds of ops)."""
+    variables = list(variables)
+    if not optimizer.built:
+        optimizer.build(variables)
+    key = tuple(id(v) for v in variables)
+    cached = getattr(optimizer, _COMPILED, None)
+    if cached is None or cached[0] != key:
+        cached = (key, tf.function(lambda grads: optimizer.apply(grads, variables)))
+        object.__setattr__(optimizer, _COMPILED, cached)
+    cached[1](list(grads))
