@@ -22,6 +22,9 @@ class MirroredExtended(StrategyExtended):
                 f"got {cross_device_ops!r}."
             )
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._devices)
+        # With the default choice, Keras steps may sum gradients inside the replica program
+        # with the backend's own all-reduce; an explicit choice is always honoured.
+        self._default_cross_device_ops = cross_device_ops is None
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if self.num_replicas_in_sync == 1:

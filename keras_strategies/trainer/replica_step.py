@@ -11,9 +11,12 @@ replicas gives exactly the single-device loss of the global batch:
 (`data_loss_i` is the compiled loss of the shard, a mean over its `rows_i`
 rows; padding rows carry sample weight 0; weight regularisers count once in
 total; `add_loss` terms are taken as per-batch means, so constants and means
-are exact, while a term that *sums* over the batch is scaled by the shard's share). Gradients are summed with the strategy's cross-device
-ops, clipped by the optimizer after that sum, and applied once. Metrics are
-updated once, on the whole global batch, so logs equal single-device logs.
+are exact, while a term that *sums* over the batch is scaled by the shard's share).
+Gradients are summed across replicas, clipped by the optimizer after that sum,
+and applied once: inside the replica program with the backend's all-reduce
+when the strategy uses its default cross-device ops, else on the host with the
+`cross_device_ops` the user chose. Metrics are updated once, on the whole
+global batch, so logs equal single-device logs.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class ReplicaStep:
         self.strategy = strategy
         self.devices = strategy.extended.worker_devices
         self.cross_device_ops = strategy.extended._cross_device_ops
+        self.reduce_in_program = getattr(strategy.extended, "_default_cross_device_ops", False)
         compiled = not model.run_eagerly
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
@@ -144,11 +148,16 @@ class ReplicaStep:
         with self._enter(replica_id, mask):
             grad_fn = engine.gradients.value_and_grad(functools.partial(self._objective, training=True))
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, weights)
+            if self.reduce_in_program:
+                grads, loss = context.get_replica_context().all_reduce(ReduceOp.SUM, [list(grads), aux[0]])
+                aux = (loss,) + tuple(aux[1:])
         return grads, aux
 
     def _replica_test(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
         with self._enter(replica_id, mask):
             _, aux = self._objective(trainable, non_trainable, metrics, x, y, sample_weight, weights, training=False)
+            if self.reduce_in_program:
+                aux = (context.get_replica_context().all_reduce(ReduceOp.SUM, aux[0]),) + tuple(aux[1:])
         return aux
 
     def _replica_predict(self, replica_id, trainable, non_trainable, x, mask):
@@ -227,8 +236,13 @@ class ReplicaStep:
         weights = self._weights(shards, self._loss_scale())
         per_replica = [args + (w,) for args, w in zip(shards.per_replica, weights)]
         outputs = self._train(self._state(), per_replica)
-        grads = self._reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
-        (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
+        if self.reduce_in_program:  # every replica holds the sums: take the first replica's
+            host = self.devices[0]
+            grads = [engine.devices.copy_to(g, host) for g in outputs[0][0]]
+            loss = engine.devices.copy_to(outputs[0][1][0], host)
+        else:
+            grads = self._reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
+            (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
         with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
             engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
         self._assign_non_trainable([outputs[i][1][2] for i in shards.active])
@@ -239,7 +253,10 @@ class ReplicaStep:
         shards = Shards(data, len(self.devices), with_targets=True)
         per_replica = [args + (w,) for args, w in zip(shards.per_replica, self._weights(shards, 1.0))]
         outputs = self._test(self._state(), per_replica)
-        (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for aux in outputs])
+        if self.reduce_in_program:
+            loss = engine.devices.copy_to(outputs[0][0], self.devices[0])
+        else:
+            (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for aux in outputs])
         y_pred = self._global_predictions(shards, [aux[1] for aux in outputs])
         return self._update_metrics(shards, loss, y_pred)
 
