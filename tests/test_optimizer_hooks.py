@@ -78,3 +78,16 @@ def test_outside_strategies_the_optimizer_is_untouched():
     variable = keras.Variable(1.0)
     optimizer.apply_gradients([(ops.ones(()), variable)])
     assert float(ops.convert_to_numpy(variable.value)) == 0.0
+
+
+def test_an_optimizer_with_slots_first_built_inside_a_compiled_step():
+    """Adam creates its slots on the first apply, here inside `ks.function` + `strategy.run`."""
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        variable = keras.Variable(np.array([1.0, 2.0], "float32"))
+        optimizer = keras.optimizers.Adam(0.1)
+    step = ks.function(lambda: strategy.run(lambda: optimizer.apply_gradients([(ops.ones((2,)), variable)])))
+    step()
+    # Adam's first step moves each weight by about the learning rate, against the gradient's sign.
+    np.testing.assert_allclose(ops.convert_to_numpy(variable.value), [0.9, 1.9], rtol=1e-4)
+    assert int(ops.convert_to_numpy(optimizer.iterations)) == 1

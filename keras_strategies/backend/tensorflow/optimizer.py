@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import tensorflow as tf
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+from keras.src.optimizers import base_optimizer
 
 
 class _DirectExtended:
@@ -54,13 +55,31 @@ def _wrap(method: Callable) -> Callable:
     return wrapper
 
 
+def _wrap_add_variable_from_reference(method: Callable) -> Callable:
+    """Slot variables created in cross-replica context (an optimizer first used inside
+    `strategy.run`) cannot be colocated through the optimizer's own strategy, captured when
+    it was made: TensorFlow refuses to enter it there. They are placed by the reference
+    variable's device instead, as Keras does on the other backends."""
+
+    @functools.wraps(method)
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        if not tf.distribute.in_cross_replica_context():
+            return method(self, reference_variable, *args, **kwargs)
+        with tf.device(getattr(reference_variable, "value", reference_variable).device):
+            return base_optimizer.BaseOptimizer.add_variable_from_reference(self, reference_variable, *args, **kwargs)
+
+    add_variable_from_reference._ks_original = method
+    return add_variable_from_reference
+
+
 def install() -> None:
-    """Installs the cross-replica fix on Keras' TF optimizer (idempotent)."""
+    """Installs the cross-replica fixes on Keras' TF optimizer (idempotent)."""
     cls = keras_tf_optimizer.TFOptimizer
     if hasattr(cls._backend_update_step, "_ks_original"):
         return
     cls._backend_update_step = _wrap(cls._backend_update_step)
     cls._apply_weight_decay = _wrap(cls._apply_weight_decay)
+    cls.add_variable_from_reference = _wrap_add_variable_from_reference(cls.add_variable_from_reference)
 
 
 _COMPILED = "_ks_compiled_apply"
