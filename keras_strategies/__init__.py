@@ -7,6 +7,7 @@ that never enters a strategy scope.
 
 from keras_strategies import batch_norm as _batch_norm
 from keras_strategies import cluster_resolver
+from keras_strategies.multi_worker import chief_only as _chief_only
 from keras_strategies import devices as _devices
 from keras_strategies import loss_scaling as _loss_scaling
 from keras_strategies import optimizer_hooks as _optimizer_hooks
@@ -37,6 +38,9 @@ from keras_strategies.input.context import (
 from keras_strategies.gradients import function, value_and_grad
 from keras_strategies.losses import compute_average_loss, scale_regularization_loss
 from keras_strategies.mirrored import MirroredStrategy
+from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
+from keras_strategies.multi_worker.health import LostWorkerError
+from keras_strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from keras_strategies.one_device import OneDeviceStrategy
 from keras_strategies.reduce_op import ReduceOp
 from keras_strategies.strategy import Strategy, StrategyExtended
@@ -49,9 +53,12 @@ _keras_hooks.install()
 _batch_norm.install()
 _optimizer_hooks.install()
 _loss_scaling.install()
+_chief_only.install()
 
 __all__ = [
     "ClusterSpec",
+    "CommunicationImplementation",
+    "CommunicationOptions",
     "CrossDeviceOps",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
@@ -59,9 +66,11 @@ __all__ = [
     "NcclAllReduce",
     "ReductionToOneDevice",
     "InputContext",
+    "LostWorkerError",
     "InputOptions",
     "InputReplicationMode",
     "Mirrored",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",

@@ -26,6 +26,11 @@ def _broadcast_rows(row_mask: Any, inputs: Any, dtype: str) -> Any:
     return ops.broadcast_to(ops.reshape(ops.cast(row_mask, dtype), shape), ops.shape(inputs))
 
 
+def _local_sum(replica_context: Any, value: Any) -> Any:
+    """Sums over this worker's replicas (statistics are synchronised within a worker)."""
+    return replica_context.strategy.extended._local_all_reduce(replica_context, ReduceOp.SUM, value)
+
+
 def _replica_moments(layer: Any, inputs: Any, mask: Any, replica_context: Any, synchronized: bool):
     dtype = "float32" if str(inputs.dtype) in ("float16", "bfloat16") else inputs.dtype
     values = ops.cast(inputs, dtype)
@@ -36,12 +41,12 @@ def _replica_moments(layer: Any, inputs: Any, mask: Any, replica_context: Any, s
     total = ops.sum(values * weights, axes, keepdims=True)
     count = ops.sum(weights, axes, keepdims=True)
     if synchronized:
-        total, count = replica_context.all_reduce(ReduceOp.SUM, [total, count])
+        total, count = _local_sum(replica_context, [total, count])
     count = ops.maximum(count, ops.ones_like(count))  # an all-padding shard: no NaN
     mean = total / count
     squares = ops.sum(ops.square((values - mean) * weights), axes, keepdims=True)
     if synchronized:
-        squares = replica_context.all_reduce(ReduceOp.SUM, squares)
+        squares = _local_sum(replica_context, squares)
     variance = squares / count
     return ops.cast(ops.squeeze(mean), inputs.dtype), ops.cast(ops.squeeze(variance), inputs.dtype)
 

@@ -153,7 +153,11 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        return self._replica_id
+        """The replica's id among all replicas of all workers (this worker's come consecutively)."""
+        extended = self._strategy.extended
+        if extended._num_workers == 1:
+            return self._replica_id
+        return self._replica_id + extended._worker_index * len(extended.worker_devices)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -161,7 +165,8 @@ class ReplicaContext:
 
     @property
     def devices(self) -> tuple:
-        return (self._strategy.extended.worker_devices[self._replica_id % len(self._strategy.extended.worker_devices)],)
+        local = self._strategy.extended.worker_devices
+        return (local[self._replica_id % len(local)],)
 
     def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
         """Reduces a nested structure across replicas; every replica gets the result."""
@@ -177,6 +182,6 @@ class ReplicaContext:
 
     def __repr__(self) -> str:
         return (
-            f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+            f"ReplicaContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )

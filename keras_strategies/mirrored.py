@@ -27,7 +27,7 @@ class MirroredExtended(StrategyExtended):
         self._default_cross_device_ops = cross_device_ops is None
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        if self.num_replicas_in_sync == 1:
+        if len(self._devices) == 1:
             return super()._call_for_each_replica(fn, args, kwargs)
         snapshot = keras_state.capture()
         strategy = self._container
@@ -43,7 +43,7 @@ class MirroredExtended(StrategyExtended):
         return regroup(run((), [() for _ in self._devices]))
 
     def _merge_call(self, replica_context, merge_fn, args, kwargs):
-        if self.num_replicas_in_sync == 1:
+        if len(self._devices) == 1:
             return super()._merge_call(replica_context, merge_fn, args, kwargs)
         strategy = self._container
 
@@ -54,8 +54,8 @@ class MirroredExtended(StrategyExtended):
 
         return engine.replicas.merge_call(merge, (tuple(args), dict(kwargs)))
 
-    def _all_reduce(self, replica_context, reduce_op, value):
-        if self.num_replicas_in_sync == 1:
+    def _local_all_reduce(self, replica_context, reduce_op, value):
+        if len(self._devices) == 1:
             return value
         if not replica_context._in_program:
             raise NotImplementedError(
@@ -65,12 +65,15 @@ class MirroredExtended(StrategyExtended):
 
         def reduce_one(leaf):
             total = engine.replicas.all_reduce_sum(leaf)
-            return total / self.num_replicas_in_sync if reduce_op == ReduceOp.MEAN else total
+            return total / len(self._devices) if reduce_op == ReduceOp.MEAN else total
 
         return map_structure(reduce_one, value)
 
+    def _all_reduce(self, replica_context, reduce_op, value):
+        return self._local_all_reduce(replica_context, reduce_op, value)
+
     def _all_gather(self, replica_context, value, axis):
-        if self.num_replicas_in_sync == 1:
+        if len(self._devices) == 1:
             return value
         if not replica_context._in_program:
             raise NotImplementedError(

@@ -116,6 +116,38 @@ class StrategyExtended:
             raise NotImplementedError(f"{type(self).__name__} has no all_reduce for several replicas.")
         return value
 
+    def _local_all_reduce(self, replica_context: "context.ReplicaContext", reduce_op: ReduceOp, value: Any) -> Any:
+        """All-reduce over this worker's replicas only (inside one compiled replica program)."""
+        return self._all_reduce(replica_context, reduce_op, value)
+
+    # --- workers (multi-worker strategies override) -------------------------------
+    @property
+    def _num_workers(self) -> int:
+        return 1
+
+    @property
+    def _worker_index(self) -> int:
+        return 0
+
+    @property
+    def _is_chief(self) -> bool:
+        return True
+
+    def _cross_worker_sum(self, values: list, what: str = "all-reduce") -> list:
+        """Element-wise sums of a list of tensors over all workers (one worker: unchanged)."""
+        return values
+
+    def _sync_variables_from_chief(self, force: bool = False) -> None:
+        """Gives every worker the chief's variable values (one worker: nothing to do)."""
+
+    def _broadcast_from_chief(self, number: int) -> int:
+        """The chief's value of a small integer (one worker: `number`)."""
+        return number
+
+    def _same_shuffle_on_every_worker(self) -> contextlib.AbstractContextManager:
+        """Makes NumPy-driven shuffling identical on every worker for the duration."""
+        return contextlib.nullcontext()
+
     def _all_gather(self, replica_context: "context.ReplicaContext", value: Any, axis: int) -> Any:
         if self.num_replicas_in_sync != 1:
             raise NotImplementedError(f"{type(self).__name__} has no all_gather for several replicas.")
@@ -139,12 +171,17 @@ class StrategyExtended:
     def _on_host(self, value: Any) -> Any:
         return engine.devices.copy_to(ops.convert_to_tensor(value), self.host_device)
 
-    def _cross_replica_sum(self, components: Sequence[Any]) -> Any:
-        """Sum of this worker's components on the host (multi-worker strategies extend it)."""
+    def _local_sum(self, components: Sequence[Any]) -> Any:
+        """Sum of this worker's components on the host."""
         total = self._on_host(components[0])
         for component in components[1:]:
             total = ops.add(total, self._on_host(component))
         return total
+
+    def _cross_replica_sum(self, components: Sequence[Any]) -> Any:
+        """Sum over every replica of every worker, on the host."""
+        (total,) = self._cross_worker_sum([self._local_sum(components)], "strategy.reduce")
+        return self._on_host(total)
 
     def _reduce(self, reduce_op: ReduceOp, value: Any, axis: Optional[int]) -> Any:
         if not is_distributed(value):
@@ -154,8 +191,11 @@ class StrategyExtended:
                     f"reduce op {reduce_op}: with {self.num_replicas_in_sync} replicas its sum "
                     "is ambiguous. Reduce the per-replica result of `strategy.run` instead."
                 )
-            components = [value]
-            replica_count = 1
+            value = self._on_host(value)  # the same on every replica (and worker): nothing to sum
+            if axis is None:
+                return value
+            total = ops.sum(value, axis=axis)
+            return total if reduce_op == ReduceOp.SUM else ops.divide(total, ops.cast(ops.shape(value)[axis], total.dtype))
         else:
             components = list(value.values)
             replica_count = self.num_replicas_in_sync
@@ -171,6 +211,10 @@ class StrategyExtended:
         count = self._cross_replica_sum([ops.convert_to_tensor(ops.shape(c)[axis], "float32") for c in components])
         return ops.divide(total, ops.cast(count, total.dtype))
 
+    def _cross_worker_gather(self, value: Any, axis: int) -> Any:
+        """`value` of every worker concatenated along `axis` (one worker: unchanged)."""
+        return value
+
     def _gather(self, value: Any, axis: int) -> Any:
         components = value.values if is_distributed(value) else (value,)
         tensors = [self._on_host(c) for c in components]
@@ -179,7 +223,8 @@ class StrategyExtended:
                 "`gather` needs values of rank >= 1 (it concatenates along `axis`); got a "
                 "scalar. Reshape the per-replica value to rank 1 first."
             )
-        return ops.concatenate(tensors, axis=axis) if len(tensors) > 1 else tensors[0]
+        local = ops.concatenate(tensors, axis=axis) if len(tensors) > 1 else tensors[0]
+        return self._on_host(self._cross_worker_gather(local, axis))
 
 
 class Strategy:

@@ -21,6 +21,7 @@ from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_strategies.multi_worker import chief_only
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
 from keras_strategies.trainer.replica_step import ReplicaStep
 
@@ -55,9 +56,13 @@ def _set_mode(model: Any, training: bool) -> None:
         mode()
 
 
-def _callback_list(callbacks, model, verbose, steps, epochs=1, add_history=False):
+def _callback_list(callbacks, model, strategy, verbose, steps, epochs=1, add_history=False):
     if isinstance(callbacks, callbacks_module.CallbackList):
         return callbacks
+    extended = strategy.extended
+    if not extended._is_chief:  # the chief alone prints and writes (multi_worker/chief_only.py)
+        verbose = 0
+        callbacks = chief_only.adapt_callbacks(list(callbacks or []), extended._cluster.task_id)
     return callbacks_module.CallbackList(
         callbacks, add_history=add_history, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
         steps=steps, model=model,
@@ -85,26 +90,30 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
     )
     model._symbolic_build(iterator=epoch_iterator)
+    strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
-    callbacks = _callback_list(callbacks, model, verbose, epoch_iterator.num_batches, epochs, add_history=True)
+    callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches, epochs, add_history=True)
     step = replica_step(model, strategy)
     model.stop_training = False
     training_logs = {}
     logs = {}
     callbacks.on_train_begin()
-    initial_epoch = model._initial_epoch or initial_epoch
+    # BackupAndRestore may have restored the chief's backup: every worker continues from the chief's state.
+    strategy.extended._sync_variables_from_chief(force=True)
+    initial_epoch = strategy.extended._broadcast_from_chief(model._initial_epoch or initial_epoch)
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
         _set_mode(model, True)
         logs = {}
-        for begin_step, end_step, batches in epoch_iterator:
-            callbacks.on_train_batch_begin(begin_step)
-            for data in batches:
-                logs = step.train_step(data)
-            callbacks.on_train_batch_end(end_step, logs)
-            if model.stop_training:
-                break
+        with strategy.extended._same_shuffle_on_every_worker():
+            for begin_step, end_step, batches in epoch_iterator:
+                callbacks.on_train_batch_begin(begin_step)
+                for data in batches:
+                    logs = step.train_step(data)
+                callbacks.on_train_batch_end(end_step, logs)
+                if model.stop_training:
+                    break
         epoch_logs = dict(model._get_metrics_result_or_logs(logs))
         _set_mode(model, False)
         if validation_data is not None and model._should_eval(epoch, validation_freq):
@@ -134,8 +143,9 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
         shuffle=False, steps_per_execution=model.steps_per_execution,
     )
     model._symbolic_build(iterator=epoch_iterator)
+    strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
-    callbacks = _callback_list(callbacks, model, verbose, epoch_iterator.num_batches)
+    callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches)
     step = replica_step(model, strategy)
     _set_mode(model, False)
     model.stop_evaluating = False
@@ -161,7 +171,8 @@ def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, cal
         x=x, batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
         steps_per_execution=model.steps_per_execution,
     )
-    callbacks = _callback_list(callbacks, model, verbose, epoch_iterator.num_batches)
+    callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches)
+    strategy.extended._sync_variables_from_chief()
     step = replica_step(model, strategy)
     _set_mode(model, False)
     model.stop_predicting = False
@@ -194,6 +205,7 @@ def train_on_batch(model, strategy, x, y=None, sample_weight=None, class_weight=
         sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
     data = (x, y, sample_weight)
     model._symbolic_build(data_batch=data)
+    strategy.extended._sync_variables_from_chief()
     model.reset_metrics()
     logs = pythonify_logs(replica_step(model, strategy).train_step(data))
     return logs if return_dict else model._flatten_metrics_in_order(logs)
@@ -203,12 +215,14 @@ def test_on_batch(model, strategy, x, y=None, sample_weight=None, return_dict=Fa
     model._assert_compile_called("test_on_batch")
     data = (x, y, sample_weight)
     model._symbolic_build(data_batch=data)
+    strategy.extended._sync_variables_from_chief()
     model.reset_metrics()
     logs = pythonify_logs(replica_step(model, strategy).test_step(data))
     return logs if return_dict else model._flatten_metrics_in_order(logs)
 
 
 def predict_on_batch(model, strategy, x):
+    strategy.extended._sync_variables_from_chief()
     outputs = replica_step(model, strategy).predict_step((x,))
     return tree.map_structure(keras_backend.convert_to_numpy, outputs)
 

@@ -34,6 +34,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_strategies import context, keras_state, optimizer_hooks
 from keras_strategies.backend import engine
+from keras_strategies.trainer import cross_worker
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
 from keras_strategies.reduce_op import ReduceOp
 from keras_strategies.values import PerReplica
@@ -62,19 +63,29 @@ def _pad_rows(leaf: Any, rows: int) -> Any:
 class Shards:
     """A global batch cut into per-replica shards, padded where the engine needs it."""
 
-    def __init__(self, data: Any, num_replicas: int, with_targets: bool):
+    def __init__(self, data: Any, num_replicas: int, with_targets: bool, num_workers: int = 1, worker_index: int = 0):
         if with_targets:
             self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         else:
             self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)[0], None, None
         self.batch = batch_size_of(self.x)
-        self.sizes = shard_sizes(self.batch, num_replicas)
+        # The global batch is split over every replica of every worker; this worker takes
+        # the consecutive shards of its own replicas, rows [offset, offset + local_rows).
+        all_sizes = shard_sizes(self.batch, num_replicas * num_workers)
+        self.sizes = all_sizes[worker_index * num_replicas:(worker_index + 1) * num_replicas]
+        self.offset = sum(all_sizes[:worker_index * num_replicas])
+        self.local_rows = sum(self.sizes)
         if engine.replicas.EQUAL_SHARDS:
             self.rows = [max(max(self.sizes), 1)] * num_replicas
         else:
             self.rows = [max(size, 1) for size in self.sizes]  # an empty replica runs one padding row
         self.padded = self.rows != self.sizes
-        pieces = split_batch((self.x, self.y, self.sample_weight), self.sizes)
+        local = (self.x, self.y, self.sample_weight)
+        if num_workers > 1:
+            local = tree.map_structure(
+                lambda leaf: None if leaf is None else leaf[self.offset:self.offset + self.local_rows], local
+            )
+        pieces = split_batch(local, self.sizes)
         self.per_replica = []
         for (x, y, weight), size, rows in zip(pieces, self.sizes, self.rows):
             mask = None
@@ -104,6 +115,7 @@ class ReplicaStep:
         self.devices = strategy.extended.worker_devices
         self.cross_device_ops = strategy.extended._cross_device_ops
         self.reduce_in_program = getattr(strategy.extended, "_default_cross_device_ops", False)
+        self.num_workers = strategy.extended._num_workers
         compiled = not model.run_eagerly
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
@@ -144,12 +156,16 @@ class ReplicaStep:
         objective = (total - penalty) * weights[0] + penalty * weights[1]
         return objective * weights[2], (objective, y_pred, new_non_trainable)
 
+    def _local_sum(self, value: Any) -> Any:
+        """Sum over this worker's replicas, inside the replica program."""
+        return self.strategy.extended._local_all_reduce(context.get_replica_context(), ReduceOp.SUM, value)
+
     def _replica_train(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
         with self._enter(replica_id, mask):
             grad_fn = engine.gradients.value_and_grad(functools.partial(self._objective, training=True))
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, weights)
             if self.reduce_in_program:
-                grads, loss = context.get_replica_context().all_reduce(ReduceOp.SUM, [list(grads), aux[0]])
+                grads, loss = self._local_sum([list(grads), aux[0]])
                 aux = (loss,) + tuple(aux[1:])
         return grads, aux
 
@@ -157,7 +173,7 @@ class ReplicaStep:
         with self._enter(replica_id, mask):
             _, aux = self._objective(trainable, non_trainable, metrics, x, y, sample_weight, weights, training=False)
             if self.reduce_in_program:
-                aux = (context.get_replica_context().all_reduce(ReduceOp.SUM, aux[0]),) + tuple(aux[1:])
+                aux = (self._local_sum(aux[0]),) + tuple(aux[1:])
         return aux
 
     def _replica_predict(self, replica_id, trainable, non_trainable, x, mask):
@@ -182,7 +198,7 @@ class ReplicaStep:
     def _weights(self, shards: Shards, loss_scale: float) -> list:
         sum_reduction = _uses_sum_reduction(self.model)
         return [
-            np.array([1.0 if sum_reduction else rows / shards.batch, 1.0 / len(self.devices), loss_scale], "float32")
+            np.array([1.0 if sum_reduction else rows / shards.batch, 1.0 / self.strategy.num_replicas_in_sync, loss_scale], "float32")
             for rows in shards.rows
         ]
 
@@ -230,9 +246,13 @@ class ReplicaStep:
             return self._compiled_metrics(loss, batch, shards.x, shards.y, y_pred, shards.sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
+    def _shards(self, data: Any, with_targets: bool) -> Shards:
+        extended = self.strategy.extended
+        return Shards(data, len(self.devices), with_targets, extended._num_workers, extended._worker_index)
+
     def train_step(self, data: Any) -> dict:
         model = self.model
-        shards = Shards(data, len(self.devices), with_targets=True)
+        shards = self._shards(data, with_targets=True)
         weights = self._weights(shards, self._loss_scale())
         per_replica = [args + (w,) for args, w in zip(shards.per_replica, weights)]
         outputs = self._train(self._state(), per_replica)
@@ -243,25 +263,71 @@ class ReplicaStep:
         else:
             grads = self._reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
             (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
+        non_trainable = [outputs[i][1][2] for i in shards.active]
+        predictions = [aux[1] for _, aux in outputs]
+        if self.num_workers > 1:
+            grads, loss, y_pred, finish = self._exchange(shards, grads, loss, predictions, non_trainable)
         with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
             engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
-        self._assign_non_trainable([outputs[i][1][2] for i in shards.active])
-        y_pred = self._global_predictions(shards, [aux[1] for _, aux in outputs])
+        if self.num_workers > 1:
+            finish()
+        else:
+            self._assign_non_trainable(non_trainable)
+            y_pred = self._global_predictions(shards, predictions)
         return self._update_metrics(shards, loss, y_pred)
 
     def test_step(self, data: Any) -> dict:
-        shards = Shards(data, len(self.devices), with_targets=True)
+        shards = self._shards(data, with_targets=True)
         per_replica = [args + (w,) for args, w in zip(shards.per_replica, self._weights(shards, 1.0))]
         outputs = self._test(self._state(), per_replica)
         if self.reduce_in_program:
             loss = engine.devices.copy_to(outputs[0][0], self.devices[0])
         else:
             (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for aux in outputs])
-        y_pred = self._global_predictions(shards, [aux[1] for aux in outputs])
+        predictions = [aux[1] for aux in outputs]
+        if self.num_workers > 1:
+            _, loss, y_pred, _ = self._exchange(shards, [], loss, predictions)
+        else:
+            y_pred = self._global_predictions(shards, predictions)
         return self._update_metrics(shards, loss, y_pred)
 
     def predict_step(self, data: Any) -> Any:
-        shards = Shards(data, len(self.devices), with_targets=False)
+        shards = self._shards(data, with_targets=False)
         per_replica = [(x, mask) for x, _, _, mask in shards.per_replica]
         outputs = self._predict(self._state(with_metrics=False), per_replica)
+        if self.num_workers > 1:
+            return self._exchange(shards, [], None, outputs)[2]
         return self._global_predictions(shards, outputs)
+
+    def _exchange(self, shards: Shards, grads: list, loss: Any, predictions: list, non_trainable: Any = None):
+        """One all-reduce across workers of everything the step needs (see `cross_worker.py`).
+
+        Returns `(grads, loss, global predictions, finish)`; `finish()` assigns the
+        non-trainable values once the update is applied.
+        """
+        host = self.devices[0]
+        exchange = cross_worker.Exchange(self.strategy.extended._cross_worker_sum)
+        mine = cross_worker.fingerprint(shards)
+        exchange.add("check", [mine])
+        exchange.add("grads", grads)
+        exchange.add("loss", [] if loss is None else [loss])
+        local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
+        buffers = cross_worker.global_predictions(shards, local_parts, predictions[0])
+        exchange.add("predictions", tree.flatten(buffers))
+        variables = self.model.non_trainable_variables
+        kinds: list = []
+        if non_trainable is not None:
+            payload, kinds = cross_worker.non_trainable_payload(variables, non_trainable, host)
+            exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
+        result = exchange.run("gradient all-reduce" if grads else "predictions all-gather")
+        cross_worker.check_fingerprints(ops.convert_to_numpy(result["check"][0]), mine, self.num_workers)
+        on_host = lambda value: engine.devices.copy_to(ops.convert_to_tensor(value), host)  # noqa: E731
+        y_pred = tree.pack_sequence_as(buffers, [on_host(p) for p in result["predictions"]])
+
+        def finish() -> None:
+            if non_trainable is not None:
+                *totals, count = result["non_trainable"]
+                cross_worker.assign_non_trainable(variables, kinds, totals, float(ops.convert_to_numpy(count)))
+
+        loss = on_host(result["loss"][0]) if loss is not None else None
+        return [on_host(g) for g in result["grads"]], loss, y_pred, finish

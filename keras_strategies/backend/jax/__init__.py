@@ -6,3 +6,4 @@ from keras_strategies.backend.jax import gradients  # noqa: F401
 from keras_strategies.backend.jax import replicas  # noqa: F401
 from keras_strategies.backend.jax import optimizer  # noqa: F401
 from keras_strategies.backend.jax import trainer  # noqa: F401
+from keras_strategies.backend.jax import collectives  # noqa: F401

@@ -61,3 +61,10 @@ def device_of(value: Any) -> str:
 def copy_to(value: Any, name: str) -> Any:
     """A copy of array `value` on device `name`."""
     return jax.device_put(value, jax_device(name))
+
+
+def has_gpu() -> bool:
+    """Whether JAX's CUDA plugin is installed (checked without initialising JAX's backends)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))

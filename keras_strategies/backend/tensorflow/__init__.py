@@ -7,5 +7,6 @@ from keras_strategies.backend.tensorflow import replicas  # noqa: F401
 from keras_strategies.backend.tensorflow import optimizer  # noqa: F401
 
 from keras_strategies.backend.tensorflow import trainer  # noqa: F401
+from keras_strategies.backend.tensorflow import collectives  # noqa: F401
 
 optimizer.install()

@@ -25,13 +25,25 @@ def set_virtual_cpu_devices(count: int) -> None:
         ) from error
 
 
+def _is_local(name: str) -> bool:
+    """Once this process has joined a cluster, TF also lists the other workers' devices."""
+    from keras_strategies.backend.tensorflow import collectives
+
+    task = collectives.local_task()
+    if task is None:
+        return True
+    spec = tf.DeviceSpec.from_string(name)
+    return spec.job is None or (spec.job, spec.task) == task
+
+
 def list_devices() -> list[str]:
     """Local devices as `"<type>:<index>"`, accelerators first."""
     names = []
     for kind in ("GPU", "TPU", "CPU"):
         for device in tf.config.list_logical_devices(kind):
-            index = int(device.name.rsplit(":", 1)[1])
-            names.append(f"{kind.lower()}:{index}")
+            if _is_local(device.name):
+                index = int(device.name.rsplit(":", 1)[1])
+                names.append(f"{kind.lower()}:{index}")
     return names
 
 
@@ -54,3 +66,8 @@ def copy_to(value: Any, name: str) -> Any:
     """A copy of tensor `value` on device `name`."""
     with device_scope(name):
         return tf.identity(value)
+
+
+def has_gpu() -> bool:
+    """Whether GPUs are present (without initialising the runtime)."""
+    return bool(tf.config.list_physical_devices("GPU"))

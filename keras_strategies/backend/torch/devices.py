@@ -60,3 +60,8 @@ def device_of(value: Any) -> str:
 def copy_to(value: Any, name: str) -> Any:
     """`value` on device `name` (no copy when it is already there)."""
     return value.to(torch_device(name))
+
+
+def has_gpu() -> bool:
+    """Whether CUDA GPUs are present."""
+    return torch.cuda.is_available()

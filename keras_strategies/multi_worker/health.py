@@ -1,0 +1,173 @@
+"""Bounded failures: heartbeats between workers and a watchdog on cross-worker collectives.
+
+Every worker publishes a heartbeat (a counter and how many collectives it has
+completed) once a second in the backend's own key-value store (the torch
+`TCPStore`, the `jax.distributed` coordination service, TensorFlow's
+coordination service), all hosted by the chief. While a collective is in
+flight, the watchdog fails this worker, naming the culprit, when a peer's
+heartbeat has stopped for `dead_after` seconds (it died), a peer has left,
+the chief's store stopped answering, or the collective has waited
+`timeout_seconds` for peers that never joined it (they hang). Collectives
+blocked inside a backend cannot be interrupted, so after reporting the error
+the watchdog ends the process if the collective has not failed by itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+HEARTBEAT_INTERVAL = 1.0
+DEAD_AFTER = 10.0
+EXIT_GRACE = 3.0
+LEFT = "left"
+
+
+class LostWorkerError(RuntimeError):
+    """A worker of the cluster died, left or hung: the collective cannot complete."""
+
+
+class HealthMonitor:
+    """Heartbeats and the collective watchdog of one worker (see the module docstring)."""
+
+    def __init__(self, cluster, kv_set: Callable[[str, str], None], kv_try_get: Callable[[str], Optional[str]],
+                 timeout: float, dead_after: float = DEAD_AFTER, interval: float = HEARTBEAT_INTERVAL):
+        self._cluster = cluster
+        self._kv_set, self._kv_try_get = kv_set, kv_try_get
+        self._timeout, self._dead_after, self._interval = timeout, dead_after, interval
+        self._me = cluster.worker_index
+        self._peers = [i for i in range(cluster.num_workers) if i != self._me]
+        now = time.monotonic()
+        self._seen = {i: (None, now) for i in self._peers}  # last heartbeat value, when it changed
+        self._store_ok_at = now
+        self._completed = 0
+        self._in_flight_since: Optional[float] = None
+        self._what = ""
+        self.error: Optional[LostWorkerError] = None
+        self._stop = threading.Event()
+        self._failed_exit = False
+        self._threads = [
+            threading.Thread(target=self._beat, name="ks-heartbeat", daemon=True),
+            threading.Thread(target=self._watch, name="ks-watchdog", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        atexit.register(self._at_exit)
+
+    @staticmethod
+    def _key(worker: int) -> str:
+        return f"keras_strategies/heartbeat/{worker}"
+
+    # --- collectives -------------------------------------------------------------------
+    def begin(self, what: str) -> None:
+        """Called before a collective; raises at once when a peer is already known lost."""
+        if self.error is not None:
+            raise self.error
+        self._what = what
+        self._in_flight_since = time.monotonic()
+
+    def end(self) -> None:
+        self._in_flight_since = None
+        self._completed += 1
+
+    def failed(self, error: BaseException) -> LostWorkerError:
+        """The error to raise when a collective failed inside the backend: names the lost worker if found."""
+        deadline = time.monotonic() + self._dead_after + 2 * self._interval
+        while self.error is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._in_flight_since = None
+        self._failed_exit = True
+        if self.error is not None:
+            return self.error
+        return LostWorkerError(f"A cross-worker collective ({self._what}) failed on {self._describe_me()}: {error}")
+
+    # --- threads ----------------------------------------------------------------------
+    def _describe_me(self) -> str:
+        return self._cluster.describe(self._me)
+
+    def _beat(self) -> None:
+        seq = 0
+        while not self._stop.is_set():
+            seq += 1
+            try:
+                self._kv_set(self._key(self._me), f"{seq} {self._completed}")
+                values = {i: self._kv_try_get(self._key(i)) for i in self._peers}
+            except Exception:  # noqa: BLE001 - the store is gone: the watchdog reports the chief
+                values = None
+            now = time.monotonic()
+            if values is not None:
+                self._store_ok_at = now
+                for peer, value in values.items():
+                    if value is not None and value != self._seen[peer][0]:
+                        self._seen[peer] = (value, now)
+            self._stop.wait(self._interval)
+
+    def _diagnose(self, now: float, waited: float) -> Optional[str]:
+        if self._me != 0 and now - self._store_ok_at > self._dead_after:
+            return (f"lost contact with {self._cluster.describe(0)}, which hosts the cluster's "
+                    f"store, for {now - self._store_ok_at:.0f} s: it died or the network failed")
+        # A peer that left after completing this collective is not missed by it.
+        left = [p for p in self._peers if self._state(p)[0] == LEFT and self._state(p)[1] <= self._completed]
+        if left:
+            return f"{self._names(left)} left the cluster (its program ended or failed) before this collective"
+        dead = [p for p in self._peers if now - self._seen[p][1] > self._dead_after]
+        if dead:
+            return f"{self._names(dead)} sent no heartbeat for {self._dead_after:.0f} s: it died or was stopped"
+        if waited > self._timeout:
+            behind = [p for p in self._peers if self._state(p)[1] <= self._completed]
+            who = self._names(behind) if behind else "a peer"
+            return (f"{who} did not join it within timeout_seconds={self._timeout:g} s (hung, or much "
+                    "slower than the others)")
+        return None
+
+    def _state(self, peer: int) -> tuple:
+        """(`"left"` or the heartbeat counter, collectives completed) of a peer's last heartbeat."""
+        value = self._seen[peer][0]
+        if not value:
+            return ("", 0)
+        tag, completed = value.split()
+        return tag, int(completed)
+
+    def _names(self, workers: list) -> str:
+        return ", ".join(self._cluster.describe(w) for w in workers)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.25):
+            started = self._in_flight_since
+            if started is None or self.error is not None:
+                continue
+            now = time.monotonic()
+            reason = self._diagnose(now, now - started)
+            if reason is None:
+                continue
+            self.error = LostWorkerError(
+                f"Lost a worker during a cross-worker collective ({self._what}) on "
+                f"{self._describe_me()}: {reason}. Restart all workers (BackupAndRestore "
+                "resumes from the last backup)."
+            )
+            # The collective may fail by itself (then the caller raises `error`); if it stays
+            # blocked inside the backend, end this worker so that it never hangs.
+            if self._stop.wait(EXIT_GRACE + self._dead_after + 2 * self._interval) or self._in_flight_since is None:
+                continue
+            sys.stderr.write(f"keras_strategies: LostWorkerError: {self.error}\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _at_exit(self) -> None:
+        self._stop.set()
+        try:
+            self._kv_set(self._key(self._me), f"{LEFT} {self._completed}")
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            pass
+        if self._failed_exit:
+            # Skip backend shutdown barriers that would wait for the lost worker.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,252 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism across processes and machines.
+
+Each worker (process) runs a `MirroredStrategy` over its local devices; after
+the local reduction, one cross-worker all-reduce on the backend's own engine
+(TF collective ops, `jax.distributed` + gloo, `torch.distributed` + gloo)
+completes the sum over all `num_workers x local devices` replicas. Every
+worker reads the same input, takes its slice of each global batch and
+applies the same update, so all workers hold identical weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+from keras import ops
+from keras.src import backend as keras_backend
+from keras.src import tree
+
+from keras_strategies.backend import engine
+from keras_strategies.cluster_resolver import TFConfigClusterResolver
+from keras_strategies.devices import default_compute_devices
+from keras_strategies.mirrored import MirroredExtended
+from keras_strategies.multi_worker.cluster import WorkerCluster, resolve
+from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
+from keras_strategies.multi_worker.health import HealthMonitor
+from keras_strategies.reduce_op import ReduceOp
+from keras_strategies.strategy import Strategy
+from keras_strategies.values import map_structure
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    return np.asarray(keras_backend.convert_to_numpy(value))
+
+
+class MultiWorkerMirroredExtended(MirroredExtended):
+    def __init__(self, container, cluster: WorkerCluster, options: CommunicationOptions):
+        if cluster.num_workers > 1:  # joins the cluster before anything initialises the backend's devices
+            engine.collectives.initialize(cluster, options)
+        super().__init__(container, default_compute_devices(), cross_device_ops=None)
+        self._cluster = cluster
+        self._communication_options = options
+        self._monitor: Optional[HealthMonitor] = None
+        self._synced: dict = {}  # id(variable) -> weakref, for variables broadcast from the chief
+        if cluster.num_workers > 1:
+            self._monitor = HealthMonitor(
+                cluster, engine.collectives.kv_set, engine.collectives.kv_try_get, options.effective_timeout
+            )
+            self._check_same_devices()
+
+    # --- cluster ----------------------------------------------------------------------------
+    @property
+    def _num_workers(self) -> int:
+        return self._cluster.num_workers
+
+    @property
+    def _worker_index(self) -> int:
+        return self._cluster.worker_index
+
+    @property
+    def _is_chief(self) -> bool:
+        return self._cluster.is_chief
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self._devices) * self._cluster.num_workers
+
+    @property
+    def should_checkpoint(self) -> bool:
+        return self._cluster.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        return self._cluster.is_chief
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        return True
+
+    def _in_multi_worker_mode(self) -> bool:
+        return self._cluster.num_workers > 1
+
+    def _check_same_devices(self) -> None:
+        counts = np.zeros((self._cluster.num_workers,), "float32")
+        counts[self._cluster.worker_index] = len(self._devices)
+        counts = _to_numpy(self._cross_worker_sum([counts], "device count check")[0])
+        if len(set(counts.tolist())) != 1:
+            described = ", ".join(f"{self._cluster.names[i]}: {int(c)}" for i, c in enumerate(counts))
+            raise ValueError(
+                f"Every worker must have the same number of replica devices; got {described}. "
+                "Give each worker the same devices (e.g. KERAS_STRATEGIES_CPU_DEVICES)."
+            )
+
+    # --- cross-worker collectives ---------------------------------------------------------------
+    def _cross_worker_sum(self, values: list, what: str = "all-reduce") -> list:
+        if self._cluster.num_workers == 1 or not values:
+            return list(values)
+        if engine.collectives.tracing():
+            return engine.collectives.all_reduce_sum(list(values))  # inside a compiled function
+        self._monitor.begin(what)
+        try:
+            result = engine.collectives.all_reduce_sum(list(values))
+        except Exception as error:  # noqa: BLE001 - re-raised, naming the lost worker
+            raise self._monitor.failed(error) from error
+        self._monitor.end()
+        return result
+
+    def _cross_worker_gather(self, value: Any, axis: int) -> Any:
+        """`value` of every worker concatenated along `axis` (sizes along `axis` may differ)."""
+        if self._cluster.num_workers == 1:
+            return value
+        array = _to_numpy(value)
+        workers, me = self._cluster.num_workers, self._cluster.worker_index
+        sizes = np.zeros((workers,), "float64")
+        sizes[me] = array.shape[axis]
+        array = np.moveaxis(array, axis, 0)
+        sizes, = self._cross_worker_sum([sizes], "all-gather sizes")
+        sizes = [int(s) for s in _to_numpy(sizes)]
+        buffer = np.zeros((workers, max(sizes)) + array.shape[1:], array.dtype)
+        buffer[me, : array.shape[0]] = array
+        (buffer,) = self._cross_worker_sum([buffer], "all-gather")
+        buffer = _to_numpy(buffer)
+        gathered = np.concatenate([buffer[i, : sizes[i]] for i in range(workers)], axis=0)
+        return ops.convert_to_tensor(np.moveaxis(gathered, 0, axis))
+
+    def _all_reduce(self, replica_context, reduce_op, value):
+        if self._cluster.num_workers == 1:
+            return super()._all_reduce(replica_context, reduce_op, value)
+
+        def total(per_replica: list) -> Any:
+            flat = [tree.flatten(v) for v in per_replica]
+            local = [sum(leaves[1:], leaves[0]) if len(leaves) > 1 else leaves[0]
+                     for leaves in zip(*[[ops.convert_to_tensor(l) for l in f] for f in flat])]
+            summed = self._cross_worker_sum(local, "all_reduce in strategy.run")
+            if reduce_op == ReduceOp.MEAN:
+                summed = [s / self.num_replicas_in_sync for s in summed]
+            return tree.pack_sequence_as(per_replica[0], summed)
+
+        return self._local_then_merge(total, value)
+
+    def _all_gather(self, replica_context, value, axis):
+        if self._cluster.num_workers == 1:
+            return super()._all_gather(replica_context, value, axis)
+
+        def gather(per_replica: list) -> Any:
+            flat = [tree.flatten(v) for v in per_replica]
+            out = []
+            for leaves in zip(*flat):
+                local = ops.concatenate([ops.convert_to_tensor(l) for l in leaves], axis=axis) if len(leaves) > 1 else leaves[0]
+                out.append(self._cross_worker_gather(local, axis))
+            return tree.pack_sequence_as(per_replica[0], out)
+
+        return self._local_then_merge(gather, value)
+
+    def _local_then_merge(self, fn: Callable[[list], Any], value: Any) -> Any:
+        """`fn(values of this worker's replicas)` once per worker, its result given to every replica."""
+        if len(self._devices) == 1:
+            return fn([value])
+        return engine.replicas.merge_call(fn, value)
+
+    # --- initial values from the chief -------------------------------------------------------------
+    def _broadcast_from_chief(self, number: int) -> int:
+        if self._cluster.num_workers == 1:
+            return number
+        value = np.array([float(number) if self._cluster.is_chief else 0.0], "float32")
+        return int(round(float(_to_numpy(self._cross_worker_sum([value], "broadcast from the chief")[0])[0])))
+
+    @contextlib.contextmanager
+    def _same_shuffle_on_every_worker(self) -> Iterator[None]:
+        """NumPy's global RNG seeded from the chief for the duration (Keras shuffles arrays with it)."""
+        if self._cluster.num_workers == 1:
+            yield
+            return
+        seed = self._broadcast_from_chief(int(np.random.randint(0, 2**24)))
+        state = np.random.get_state()
+        np.random.seed(seed)
+        try:
+            yield
+        finally:
+            np.random.set_state(state)
+
+    def _sync_variables_from_chief(self, force: bool = False) -> None:
+        """Overwrites variables with the chief's values: new ones, or all with `force`."""
+        if self._cluster.num_workers == 1:
+            return
+        fresh = [v for v in self._scope_variables() if force or self._synced.get(id(v), lambda: None)() is not v]
+        if not fresh:
+            return
+        chief = self._cluster.is_chief
+        values = [_to_numpy(v.value) if chief else np.zeros(v.shape, _to_numpy(v.value).dtype) for v in fresh]
+        summed = self._cross_worker_sum(values, "broadcast of the chief's initial values")
+        for variable, value in zip(fresh, summed):
+            variable.assign(_to_numpy(value))
+            self._synced[id(variable)] = weakref.ref(variable)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        self._sync_variables_from_chief()
+        return super()._call_for_each_replica(fn, args, kwargs)
+
+    def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+        if self._cluster.num_workers == 1:
+            return super()._run_keras_method(name, method, model, args, kwargs)
+        from keras_strategies.trainer.loops import LOOPS
+
+        with self._container.scope():
+            return LOOPS[name](model, self._container, *args, **kwargs)
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous training on the devices of several workers (as `tf.distribute.MultiWorkerMirroredStrategy`).
+
+    The cluster comes from `cluster_resolver` (default: `TF_CONFIG` through
+    `ks.cluster_resolver.TFConfigClusterResolver`); without `TF_CONFIG` this
+    is one local worker. Create the strategy at program start, before the
+    backend runs any operation: it joins the cluster (blocking until every
+    worker has started). Each worker uses all its local accelerators, else
+    all its (virtual) CPU devices; `num_replicas_in_sync` is workers x local
+    devices. See the README for input sharding and chief-only writes.
+    """
+
+    def __init__(self, cluster_resolver: Any = None, communication_options: Optional[CommunicationOptions] = None):
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        if not isinstance(communication_options, CommunicationOptions):
+            raise ValueError(
+                "communication_options must be a ks.CommunicationOptions, got "
+                f"{communication_options!r}."
+            )
+        if communication_options.implementation == CommunicationImplementation.NCCL and not engine.devices.has_gpu():
+            raise ValueError(
+                "CommunicationImplementation.NCCL needs GPUs, and this machine has none. "
+                "Use CommunicationImplementation.AUTO or RING."
+            )
+        self._cluster_resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        cluster = resolve(self._cluster_resolver)
+        super().__init__(MultiWorkerMirroredExtended(self, cluster, communication_options))
+
+    @property
+    def cluster_resolver(self) -> Any:
+        return self._cluster_resolver
+
+    def __repr__(self) -> str:
+        cluster = self._extended._cluster
+        return (
+            f"MultiWorkerMirroredStrategy(worker={cluster.worker_index}/{cluster.num_workers}, "
+            f"devices={list(self._extended.worker_devices)})"
+        )
+
+
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]

@@ -1,0 +1,119 @@
+"""What a Keras step sends across workers: one all-reduce per step.
+
+After each worker has reduced over its own replicas, a step needs from the
+other workers: the summed gradients and loss, the new non-trainable values
+(BatchNormalization statistics), and the predictions for the whole global
+batch (so that every worker updates its metrics on all of it, exactly as one
+device would). They travel together, packed by dtype, in one
+`_cross_worker_sum`. A fingerprint of the global batch rides along, so that
+workers reading different data (e.g. unseeded shuffles) fail loudly instead
+of training on overlapping samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from keras import ops
+from keras.src import backend as keras_backend
+from keras.src import tree
+
+from keras_strategies.backend import engine
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return np.asarray(keras_backend.convert_to_numpy(value))
+
+
+def fingerprint(shards: Any) -> np.ndarray:
+    """`[B, f, B^2, f^2]`: the batch size and a position-weighted checksum of the global batch."""
+    first = np.asarray(tree.flatten(shards.x)[0])
+    column = first.reshape(first.shape[0], -1)[:, 0].astype("float64") if first.size else np.zeros((0,))
+    f = float(np.dot(column, np.arange(1, column.shape[0] + 1)) / max(column.shape[0], 1))
+    b = float(shards.batch)
+    return np.array([b, f, b * b, f * f], "float32")
+
+
+def check_fingerprints(total: np.ndarray, mine: np.ndarray, num_workers: int) -> None:
+    """Raises `RuntimeError` unless every worker saw the same global batch (sum of squares test)."""
+    for k in (0, 1):
+        mean, mean_square = total[k] / num_workers, total[k + 2] / num_workers
+        if mean_square - mean * mean > 1e-4 * max(mean_square, 1.0):
+            what = "batch sizes" if k == 0 else "data"
+            raise RuntimeError(
+                f"The workers read different global batches ({what} differ; this worker's batch has "
+                f"{int(mine[0])} samples). Under MultiWorkerMirroredStrategy every worker must read "
+                "the same input in the same order and takes its own slice of each global batch: "
+                "give shuffles a seed (e.g. `dataset.shuffle(n, seed=1)`), or use "
+                "`distribute_datasets_from_function` to shard the input yourself."
+            )
+
+
+def global_predictions(shards: Any, local_parts: list, template: Any) -> Any:
+    """This worker's predictions placed at its rows of a zero buffer of the global batch."""
+
+    def place(*leaves):
+        reference = _numpy(leaves[-1])
+        buffer = np.zeros((shards.batch,) + reference.shape[1:], reference.dtype)
+        if len(leaves) > 1:
+            local = np.concatenate([_numpy(leaf) for leaf in leaves[:-1]], axis=0)
+            buffer[shards.offset:shards.offset + local.shape[0]] = local
+        return buffer
+
+    return tree.map_structure(place, *local_parts, template)
+
+
+class Exchange:
+    """Named lists of tensors summed across workers together (packed by dtype)."""
+
+    def __init__(self, sum_across_workers: Callable[[list, str], list]):
+        self._sum = sum_across_workers
+        self._parts: list = []
+
+    def add(self, name: str, values: list) -> None:
+        self._parts.append((name, list(values)))
+
+    def run(self, what: str) -> dict:
+        flat = [value for _, values in self._parts for value in values]
+        summed = self._sum(flat, what)
+        result, start = {}, 0
+        for name, values in self._parts:
+            result[name] = summed[start:start + len(values)]
+            start += len(values)
+        return result
+
+
+def non_trainable_payload(variables: list, per_replica: list, host: str) -> tuple[list, list]:
+    """Per variable: the local sum of float values (or of deltas for `aggregation="sum"`).
+
+    Returns `(payload, kinds)`; `kinds[i]` is "mean", "sum" or None (kept as is).
+    """
+    payload, kinds = [], []
+    for index, variable in enumerate(variables):
+        aggregation = getattr(variable, "aggregation", "none")
+        is_float = "float" in str(variable.dtype)
+        values = [engine.devices.copy_to(ops.convert_to_tensor(state[index]), host) for state in per_replica]
+        if is_float and aggregation in ("mean", "none"):
+            kinds.append("mean")
+            payload.append(sum(values[1:], values[0]) if values else ops.zeros(variable.shape, variable.dtype))
+        elif aggregation == "sum":
+            kinds.append("sum")
+            old = engine.devices.copy_to(variable.value, host)
+            payload.append(sum((v - old for v in values), ops.zeros(variable.shape, variable.dtype)))
+        else:
+            kinds.append(None)
+    return payload, kinds
+
+
+def assign_non_trainable(variables: list, kinds: list, totals: list, replicas_with_data: float) -> None:
+    """Assigns the cross-worker means (over replicas with data) and summed deltas."""
+    values = iter(totals)
+    for variable, kind in zip(variables, kinds):
+        if kind is None:
+            continue
+        total = _numpy(next(values))
+        if kind == "mean":
+            variable.assign(total / max(replicas_with_data, 1.0))
+        else:
+            variable.assign(_numpy(variable.value) + total)
