@@ -19,6 +19,7 @@ from keras import ops
 from keras.src import backend as keras_backend
 from keras.src import tree
 
+from keras_strategies import context
 from keras_strategies.backend import engine
 from keras_strategies.cluster_resolver import TFConfigClusterResolver
 from keras_strategies.devices import default_compute_devices
@@ -28,7 +29,7 @@ from keras_strategies.multi_worker.communication import CommunicationImplementat
 from keras_strategies.multi_worker.health import HealthMonitor
 from keras_strategies.reduce_op import ReduceOp
 from keras_strategies.strategy import Strategy
-from keras_strategies.values import map_structure
+from keras_strategies.values import PerReplica, is_distributed
 
 
 def _to_numpy(value: Any) -> np.ndarray:
@@ -125,14 +126,19 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         gathered = np.concatenate([buffer[i, : sizes[i]] for i in range(workers)], axis=0)
         return ops.convert_to_tensor(np.moveaxis(gathered, 0, axis))
 
+    def _reduce(self, reduce_op, value, axis):
+        if self._cluster.num_workers > 1 and len(self._devices) == 1 and not is_distributed(value):
+            # One local replica: `strategy.run` returns its plain value, still one of many (as in TF).
+            value = PerReplica([value])
+        return super()._reduce(reduce_op, value, axis)
+
     def _all_reduce(self, replica_context, reduce_op, value):
         if self._cluster.num_workers == 1:
             return super()._all_reduce(replica_context, reduce_op, value)
 
         def total(per_replica: list) -> Any:
             flat = [tree.flatten(v) for v in per_replica]
-            local = [sum(leaves[1:], leaves[0]) if len(leaves) > 1 else leaves[0]
-                     for leaves in zip(*[[ops.convert_to_tensor(l) for l in f] for f in flat])]
+            local = [self._local_sum(leaves) for leaves in zip(*flat)]
             summed = self._cross_worker_sum(local, "all_reduce in strategy.run")
             if reduce_op == ReduceOp.MEAN:
                 summed = [s / self.num_replicas_in_sync for s in summed]
@@ -148,7 +154,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             flat = [tree.flatten(v) for v in per_replica]
             out = []
             for leaves in zip(*flat):
-                local = ops.concatenate([ops.convert_to_tensor(l) for l in leaves], axis=axis) if len(leaves) > 1 else leaves[0]
+                local = ops.concatenate([self._on_host(l) for l in leaves], axis=axis) if len(leaves) > 1 else leaves[0]
                 out.append(self._cross_worker_gather(local, axis))
             return tree.pack_sequence_as(per_replica[0], out)
 
@@ -158,9 +164,19 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         """`fn(values of this worker's replicas)` once per worker, its result given to every replica."""
         if len(self._devices) == 1:
             return fn([value])
-        return engine.replicas.merge_call(fn, value)
+        result = engine.replicas.merge_call(fn, value)
+        if engine.collectives.tracing():
+            return result
+        device = context.get_replica_context().devices[0]  # each replica gets the result on its own device
+        return tree.map_structure(lambda leaf: engine.devices.copy_to(ops.convert_to_tensor(leaf), device), result)
 
     # --- initial values from the chief -------------------------------------------------------------
+    def _any_worker_has(self, flag: bool) -> bool:
+        if self._cluster.num_workers == 1:
+            return flag
+        (total,) = self._cross_worker_sum([np.array([1.0 if flag else 0.0], "float32")], "end-of-input agreement")
+        return float(_to_numpy(total)[0]) > 0
+
     def _broadcast_from_chief(self, number: int) -> int:
         if self._cluster.num_workers == 1:
             return number

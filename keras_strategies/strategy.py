@@ -106,7 +106,7 @@ class StrategyExtended:
         return regroup(results)
 
     def _merge_call(self, replica_context: "context.ReplicaContext", merge_fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.num_replicas_in_sync != 1:
+        if len(self._devices) != 1:
             raise NotImplementedError(f"{type(self).__name__} has no merge_call for several replicas.")
         with context.enter_frame(self._container, None):
             return merge_fn(self._container, *args, **kwargs)
@@ -136,6 +136,10 @@ class StrategyExtended:
     def _cross_worker_sum(self, values: list, what: str = "all-reduce") -> list:
         """Element-wise sums of a list of tensors over all workers (one worker: unchanged)."""
         return values
+
+    def _any_worker_has(self, flag: bool) -> bool:
+        """Whether `flag` is true on any worker (one worker: `flag`)."""
+        return flag
 
     def _sync_variables_from_chief(self, force: bool = False) -> None:
         """Gives every worker the chief's variable values (one worker: nothing to do)."""

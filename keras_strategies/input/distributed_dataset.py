@@ -5,6 +5,10 @@ and splits each across the replicas (sizes differ by at most one; replicas
 beyond the batch size get empty batches). `distribute_datasets_from_function`
 takes a dataset batched *per replica* and gives each replica the next element.
 Iteration stops only when no replica has data, so no sample is dropped.
+With several workers, every worker reads the same global batches and takes
+its replicas' shards (`experimental_distribute_dataset`), or builds its own
+pipeline from `InputContext.input_pipeline_id` (`distribute_datasets_from_function`);
+each step the workers agree whether any of them still has data.
 Sources: `tf.data.Dataset` (on every backend), `NumpyDataset`, `keras.utils.PyDataset`,
 or any Python iterable of batches (NumPy structures or backend tensors).
 """
@@ -98,6 +102,28 @@ class _Distributed:
         placed = [tree.map_structure(lambda leaf: place(leaf, d), v) for v, d in zip(per_replica_values, self._devices)]
         return placed[0] if len(placed) == 1 else regroup(placed, PerReplica)
 
+    def _next_on_every_worker(self, batches: Iterator[Any]) -> Any:
+        """The next element; with several workers, iteration ends only when every worker's ends.
+
+        A worker whose input ran out first gets an empty batch (shaped like its
+        last one) while others still have data, so no worker waits forever.
+        """
+        try:
+            element, has_data = next(batches), True
+            self._last = element
+        except StopIteration:
+            element, has_data = None, False
+        if not self._strategy.extended._any_worker_has(has_data):
+            raise StopIteration
+        if has_data:
+            return element
+        if getattr(self, "_last", None) is None:
+            raise RuntimeError(
+                "This worker's input is empty while other workers still have data; every "
+                "worker needs at least one batch to take part in the steps."
+            )
+        return _empty_like(self._last)
+
     def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
         state = initial_state
         for element in self:
@@ -119,11 +145,17 @@ class DistributedDataset(_Distributed):
 
     def __iter__(self) -> DistributedIterator:
         batches = _batches(self._dataset)
-        num_replicas = len(self._devices)
+        extended = self._strategy.extended
+        num_local, worker = len(self._devices), extended._worker_index
 
         def next_step():
-            batch = next(batches)
-            return self._place(split_batch(batch, shard_sizes(batch_size_of(batch), num_replicas)))
+            batch = self._next_on_every_worker(batches)
+            # Every worker reads the same global batch and takes its replicas' consecutive shards.
+            sizes = shard_sizes(batch_size_of(batch), num_local * extended._num_workers)
+            offset = sum(sizes[:worker * num_local])
+            mine = sizes[worker * num_local:(worker + 1) * num_local]
+            batch = tree.map_structure(lambda leaf: leaf[offset:offset + sum(mine)], batch)
+            return self._place(split_batch(batch, mine))
 
         return DistributedIterator(next_step)
 
@@ -133,7 +165,8 @@ class DistributedDatasetsFromFunction(_Distributed):
 
     def __init__(self, strategy: Any, dataset_fn: Callable[[InputContext], Any], options: Optional[InputOptions] = None):
         super().__init__(strategy, options)
-        context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
+        extended = strategy.extended
+        context = InputContext(num_input_pipelines=extended._num_workers, input_pipeline_id=extended._worker_index,
                                num_replicas_in_sync=strategy.num_replicas_in_sync)
         self._dataset = dataset_fn(context)
 
@@ -148,9 +181,17 @@ class DistributedDatasetsFromFunction(_Distributed):
                     elements.append(next(batches))
                 except StopIteration:
                     break
-            if not elements:
+            if elements:
+                self._last = elements[0]
+            if not self._strategy.extended._any_worker_has(bool(elements)):
                 raise StopIteration
-            elements += [_empty_like(elements[0])] * (num_replicas - len(elements))
+            if not elements and getattr(self, "_last", None) is None:
+                raise RuntimeError(
+                    "This worker's input pipeline is empty while other workers still have data; "
+                    "every input pipeline needs at least one batch."
+                )
+            template = elements[0] if elements else self._last
+            elements += [_empty_like(template)] * (num_replicas - len(elements))
             return self._place(elements)
 
         return DistributedIterator(next_step)

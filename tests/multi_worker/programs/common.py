@@ -1,0 +1,53 @@
+"""What the multi-worker test programs and the single-process references share."""
+
+import keras
+import numpy as np
+from keras import ops
+
+N, GLOBAL_BATCH = 50, 16  # 50 = 3 full global batches + a partial one of 2
+
+
+def data(n=N):
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(n, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1)) + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+def build_model():
+    model = keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-3)),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=1.0), loss="mse", metrics=["mae"])
+    return model
+
+
+def global_batch_sizes(n=N, batch=GLOBAL_BATCH):
+    return [batch] * (n // batch) + ([n % batch] if n % batch else [])
+
+
+def guide_loop(strategy, model, optimizer, dataset, ks, n=N):
+    """The distributed-training guide's custom loop, passing each step's actual global batch size
+    to `compute_average_loss` so that the partial last batch is exact too."""
+    loss_object = keras.losses.MeanSquaredError(reduction="none")
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+
+    def train_step(inputs, global_batch_size):
+        features, labels = inputs
+
+        def loss_fn():
+            per_example = loss_object(labels, model(features, training=True))
+            loss = ks.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            return loss + ks.scale_regularization_loss(ops.sum(ops.stack(model.losses)))
+
+        loss, grads = ks.value_and_grad(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = []
+    for inputs, size in zip(dist_dataset, global_batch_sizes(n)):
+        per_replica = strategy.run(train_step, args=(inputs, size))
+        losses.append(float(ops.convert_to_numpy(strategy.reduce("SUM", per_replica, axis=None))))
+    return losses

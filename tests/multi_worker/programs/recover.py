@@ -1,0 +1,53 @@
+"""A worker of a run with BackupAndRestore, ModelCheckpoint, TensorBoard and `model.save`.
+
+`crash` phase: worker 1 kills itself (SIGKILL) in the middle of epoch 2; the
+chief must fail with `ks.LostWorkerError`. `resume` phase: all workers start
+again, resume from the chief's backup and finish; the chief alone writes.
+"""
+
+import os
+import signal
+import sys
+
+import keras_strategies as ks
+
+strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=30))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import GLOBAL_BATCH, build_model, data  # noqa: E402
+
+out, phase = sys.argv[1], sys.argv[2]
+task_id = strategy.cluster_resolver.task_id
+keras.utils.set_random_seed(100 + task_id)
+x, y = data()
+
+with strategy.scope():
+    model = build_model()
+if phase == "crash" and strategy.extended.should_checkpoint:
+    np.savez(os.path.join(out, "initial.npz"), *model.get_weights())
+
+
+class KillMe(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 1:
+            print(f"KILLING worker {task_id}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+callbacks = [
+    keras.callbacks.BackupAndRestore(os.path.join(out, "backup")),
+    keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt", "model_{epoch}.keras")),
+    keras.callbacks.TensorBoard(os.path.join(out, "tb")),
+]
+if phase == "crash" and task_id == 1:
+    callbacks.append(KillMe())
+model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=2, callbacks=callbacks)
+model.save(os.path.join(out, "final.keras"))
+np.savez(os.path.join(out, f"worker_{task_id}.npz"), *model.get_weights())
+print("DONE", flush=True)

@@ -1,0 +1,74 @@
+"""One worker of a multi-worker run: fit / evaluate / predict and the guide's custom loop.
+
+Each worker starts from different random weights (the chief's must win) and
+writes its results to `<out>/worker_<task id>.npz`; the chief also writes the
+initial weights, from which the test computes the single-process reference.
+"""
+
+import json
+import os
+import sys
+
+import keras_strategies as ks
+
+strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=120))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from keras import ops  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import GLOBAL_BATCH, build_model, data, guide_loop  # noqa: E402
+
+out = sys.argv[1]
+task_id = strategy.cluster_resolver.task_id
+keras.utils.set_random_seed(100 + task_id)
+x, y = data()
+results = {"num_replicas": strategy.num_replicas_in_sync}
+
+with strategy.scope():
+    model = build_model()
+if strategy.extended.should_checkpoint:
+    np.savez(os.path.join(out, "initial.npz"), *model.get_weights())
+
+# Keras fit / evaluate / predict on NumPy arrays (the last global batch is partial).
+history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+results["fit_loss"] = history.history["loss"]
+results["fit_mae"] = history.history["mae"]
+results["fit_weights"] = model.get_weights()
+results["evaluate"] = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+results["predict"] = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+
+# The guide's custom loop on a tf.data dataset (new variables: the chief's values are broadcast).
+with strategy.scope():
+    loop_model = build_model()
+    optimizer = keras.optimizers.SGD(0.05)
+if strategy.extended.should_checkpoint:
+    np.savez(os.path.join(out, "loop_initial.npz"), *loop_model.get_weights())
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+results["loop_losses"] = guide_loop(strategy, loop_model, optimizer, dataset, ks)
+results["loop_weights"] = loop_model.get_weights()
+
+# Collectives from strategy.run: all_reduce and gather over every replica of every worker.
+def replica_fn():
+    ctx = ks.get_replica_context()
+    return ctx.all_reduce("SUM", ops.ones((2,)) * (ctx.replica_id_in_sync_group + 1))
+
+results["all_reduce"] = ops.convert_to_numpy(strategy.experimental_local_results(strategy.run(replica_fn))[0])
+ids = strategy.run(lambda: ops.reshape(ops.cast(ks.get_replica_context().replica_id_in_sync_group, "float32"), (1,)))
+results["gather"] = ops.convert_to_numpy(strategy.gather(ids, axis=0))
+
+# fit with shuffle=True: NumPy shuffling is seeded from the chief, so every worker slices the same batches.
+model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=True, verbose=0)
+results["shuffled_weights"] = model.get_weights()
+
+flat = {}
+for key, value in results.items():
+    if isinstance(value, list) and value and isinstance(value[0], np.ndarray):
+        for i, v in enumerate(value):
+            flat[f"{key}_{i}"] = v
+    else:
+        flat[key] = np.asarray(value)
+np.savez(os.path.join(out, f"worker_{task_id}.npz"), **flat)
+print(json.dumps({"task": task_id, "fit_loss": results["fit_loss"]}))

@@ -1,0 +1,99 @@
+"""A killed worker fails the others within the timeout; restarting resumes from the chief's backup.
+
+Real processes on 127.0.0.1. The crash run starts the workers directly (as on
+separate machines, with no launcher to stop the survivors), the resume run
+uses the launcher. Also checks that only the chief writes checkpoints,
+TensorBoard logs, the saved model and the progress bar.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from keras_strategies.launcher.cluster import free_ports, tf_config_for
+from keras_strategies.launcher.supervisor import worker_env
+from mw_launch import PROGRAMS, check, run_program
+
+sys.path.insert(0, PROGRAMS)
+from common import GLOBAL_BATCH, build_model, data  # noqa: E402
+
+TIMEOUT_SECONDS = 30  # the programs' CommunicationOptions(timeout_seconds=...)
+
+
+def _start_workers(out, phase):
+    ports = free_ports(2)
+    processes = []
+    for index in range(2):
+        env = worker_env(tf_config_for(index, ports), backend=keras.backend.backend(), devices_per_worker=1,
+                         env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+        processes.append(subprocess.Popen(
+            [sys.executable, os.path.join(PROGRAMS, "recover.py"), str(out), phase],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    return processes
+
+
+@pytest.fixture(scope="module")
+def crash(tmp_path_factory):
+    out = tmp_path_factory.mktemp("recovery")
+    chief, worker = _start_workers(out, "crash")
+    try:
+        worker_out, worker_err = worker.communicate(timeout=240)
+        killed_at = time.monotonic()
+        chief_out, chief_err = chief.communicate(timeout=TIMEOUT_SECONDS + 60)
+        chief_seconds = time.monotonic() - killed_at
+    finally:
+        for process in (chief, worker):
+            if process.poll() is None:
+                process.kill()
+    return dict(out=out, worker_code=worker.returncode, worker_out=worker_out, chief_code=chief.returncode,
+                chief_out=chief_out, chief_err=chief_err, chief_seconds=chief_seconds)
+
+
+def test_a_killed_worker_fails_the_chief_within_the_timeout_naming_it(crash):
+    assert "KILLING worker 1" in crash["worker_out"], crash["worker_out"]
+    assert crash["worker_code"] == -9
+    assert crash["chief_code"] not in (0, None), crash["chief_out"]
+    assert crash["chief_seconds"] < TIMEOUT_SECONDS + 15, crash["chief_seconds"]
+    assert "LostWorkerError" in crash["chief_err"], crash["chief_err"][-3000:]
+    assert "worker 1" in crash["chief_err"].split("LostWorkerError")[-1], crash["chief_err"][-3000:]
+    assert "DONE" not in crash["chief_out"]
+
+
+@pytest.fixture(scope="module")
+def resumed(crash):
+    out = crash["out"]
+    assert os.path.exists(out / "backup"), "the chief made no backup before the crash"
+    return out, check(run_program("recover.py", [out, "resume"], workers=2, devices_per_worker=1))
+
+
+def test_restart_resumes_from_the_chiefs_backup_and_equals_an_uninterrupted_run(resumed):
+    out, _ = resumed
+    x, y = data()
+    model = build_model()
+    archive = np.load(out / "initial.npz")
+    model.set_weights([archive[f"arr_{i}"] for i in range(len(archive.files))])
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0)
+    for task in (0, 1):
+        archive = np.load(out / f"worker_{task}.npz")
+        for i, expected in enumerate(model.get_weights()):
+            np.testing.assert_allclose(archive[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_only_the_chief_writes_files_and_prints_progress(resumed):
+    out, run = resumed
+    leftovers = [os.path.join(root, name) for root, dirs, files in os.walk(out) for name in dirs + files
+                 if "workertemp" in name]
+    assert not leftovers, leftovers
+    assert sorted(os.listdir(out / "ckpt")) == ["model_1.keras", "model_2.keras", "model_3.keras"]
+    assert os.path.exists(out / "final.keras")
+    assert os.path.isdir(out / "tb" / "train")
+    assert not os.path.exists(out / "backup"), "the chief deletes the backup after training"
+    assert "[worker 0] Epoch 3/3" in run.stdout, run.stdout
+    assert not [line for line in run.stdout.splitlines() if line.startswith("[worker 1]") and "Epoch" in line]
