@@ -5,11 +5,12 @@ behind and print progress. On the other workers:
 
 - `ModelCheckpoint` and `TensorBoard` write into `workertemp_<task_id>`
   directories next to the chief's paths, removed when training ends;
-- `BackupAndRestore` never writes or deletes: every worker resumes from the
-  chief's backup (the weights are then broadcast from the chief, so other
-  machines need no shared file system);
+- `BackupAndRestore` backs up into such a directory too, and every worker
+  resumes from the chief's backup (its weights and epoch are broadcast from
+  the chief, so other machines need no shared file system);
 - `model.save(...)` / `model.save_weights(...)` write to such a temporary
-  location, which is removed at once;
+  location, which is removed at once; every worker returns from `save` only
+  when the chief's file is complete;
 - the progress bar is off (`verbose=0`).
 """
 
@@ -21,6 +22,7 @@ import shutil
 from typing import Any, Callable
 
 import keras
+import numpy as np
 from keras.src.callbacks import BackupAndRestore, ModelCheckpoint, TensorBoard
 
 
@@ -49,10 +51,6 @@ class _RemoveWorkerTemp(keras.callbacks.Callback):
             _remove(path)
 
 
-def _no_op(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def adapt_callbacks(callbacks: list, task_id: Any) -> list:
     """The callbacks of a non-chief worker: writes redirected or dropped (see module docstring)."""
     temp_dirs = []
@@ -64,33 +62,42 @@ def adapt_callbacks(callbacks: list, task_id: Any) -> list:
             callback.log_dir = os.path.join(callback.log_dir, f"workertemp_{task_id}")
             temp_dirs.append(callback.log_dir)
         elif isinstance(callback, BackupAndRestore):
-            callback._save_model = _no_op  # noqa: SLF001 - the chief alone writes backups
-            callback.on_train_end = _no_op  # ...and deletes them
+            # Backups go to a temporary directory: restoring takes the chief's state (broadcast
+            # after `on_train_begin`), and every worker still makes the same `save` calls.
+            backup_dir = worker_temp_path(callback.backup_dir, task_id)
+            callback.backup_dir = backup_dir
+            for name in ("_weights_path", "_training_metadata_path", "_prev_weights_path", "_prev_training_metadata_path"):
+                if hasattr(callback, name):
+                    setattr(callback, name, os.path.join(backup_dir, os.path.basename(getattr(callback, name))))
+            temp_dirs.append(os.path.dirname(backup_dir))
     return list(callbacks) + ([_RemoveWorkerTemp(temp_dirs)] if temp_dirs else [])
 
 
-def _non_chief_task(model: Any):
+def _multi_worker_extended(model: Any):
     from keras_strategies.keras_hooks import strategy_of
 
-    strategy = strategy_of(model)
-    extended = getattr(strategy, "extended", None)
-    if extended is None or extended._num_workers == 1 or extended._is_chief:
-        return None
-    return extended._cluster.task_id
+    extended = getattr(strategy_of(model), "extended", None)
+    return extended if extended is not None and extended._num_workers > 1 else None
 
 
 def _wrap_save(original: Callable) -> Callable:
     @functools.wraps(original)
     def save(self, filepath, *args, **kwargs):
-        task_id = _non_chief_task(self)
-        if task_id is None or not isinstance(filepath, (str, os.PathLike)):
+        extended = _multi_worker_extended(self)
+        if extended is None or not isinstance(filepath, (str, os.PathLike)):
             return original(self, filepath, *args, **kwargs)
-        temp = worker_temp_path(filepath, task_id)
-        os.makedirs(os.path.dirname(temp), exist_ok=True)
         try:
-            return original(self, temp, *args, **kwargs)
+            if extended._is_chief:
+                return original(self, filepath, *args, **kwargs)
+            temp = worker_temp_path(filepath, extended._cluster.task_id)
+            os.makedirs(os.path.dirname(temp), exist_ok=True)
+            try:
+                return original(self, temp, *args, **kwargs)
+            finally:
+                _remove(os.path.dirname(temp))
         finally:
-            _remove(os.path.dirname(temp))
+            # Every worker returns once the chief's file is complete (then it may be loaded).
+            extended._cross_worker_sum([np.zeros((1,), "float32")], "model.save barrier")
 
     save._ks_original = original
     return save

@@ -2,16 +2,17 @@
 
 After each worker has reduced over its own replicas, a step needs from the
 other workers: the summed gradients and loss, the new non-trainable values
-(BatchNormalization statistics), and the predictions for the whole global
-batch (so that every worker updates its metrics on all of it, exactly as one
-device would). They travel together, packed by dtype, in one
-`_cross_worker_sum`. A fingerprint of the global batch rides along, so that
-workers reading different data (e.g. unseeded shuffles) fail loudly instead
-of training on overlapping samples.
+(BatchNormalization statistics), and the predictions, targets and sample
+weights of the whole global batch (each worker contributes its own rows), so
+that every worker updates its metrics on all of it, exactly as one device
+would. They travel together, packed by dtype, in one `_cross_worker_sum`. A
+fingerprint of the global batch rides along to detect workers reading
+different data (e.g. unseeded shuffles).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -35,23 +36,52 @@ def fingerprint(shards: Any) -> np.ndarray:
     return np.array([b, f, b * b, f * f], "float32")
 
 
-def check_fingerprints(total: np.ndarray, mine: np.ndarray, num_workers: int) -> None:
-    """Raises `RuntimeError` unless every worker saw the same global batch (sum of squares test)."""
-    for k in (0, 1):
+_warned: set = set()
+
+
+def check_fingerprints(total: np.ndarray, mine: np.ndarray, num_workers: int, exact: bool) -> None:
+    """Compares every worker's global batch with the sum-of-squares test.
+
+    Different batch sizes always raise `RuntimeError` (each replica's share of
+    the loss would be wrong). Different data (e.g. an unseeded shuffle) raise
+    when `exact` (predictions must line up with the input), else warn once:
+    training stays exact for the rows the workers actually took.
+    """
+    def differ(k):
         mean, mean_square = total[k] / num_workers, total[k + 2] / num_workers
-        if mean_square - mean * mean > 1e-4 * max(mean_square, 1.0):
-            what = "batch sizes" if k == 0 else "data"
-            raise RuntimeError(
-                f"The workers read different global batches ({what} differ; this worker's batch has "
-                f"{int(mine[0])} samples). Under MultiWorkerMirroredStrategy every worker must read "
-                "the same input in the same order and takes its own slice of each global batch: "
-                "give shuffles a seed (e.g. `dataset.shuffle(n, seed=1)`), or use "
-                "`distribute_datasets_from_function` to shard the input yourself."
+        return mean_square - mean * mean > 1e-4 * max(mean_square, 1.0)
+
+    advice = (
+        "Under MultiWorkerMirroredStrategy every worker reads the same input in the same order and "
+        "takes its own slice of each global batch: give shuffles a seed (e.g. "
+        "`dataset.shuffle(n, seed=1)`), or shard the input yourself with "
+        "`distribute_datasets_from_function`."
+    )
+    if differ(0):
+        raise RuntimeError(
+            f"The workers read global batches of different sizes (this worker's has {int(mine[0])} "
+            f"samples). {advice}"
+        )
+    if differ(1):
+        message = f"The workers read different global batches (e.g. an unseeded shuffle). {advice}"
+        if exact:
+            raise RuntimeError(message)
+        if "data" not in _warned:
+            _warned.add("data")
+            warnings.warn(
+                message + " Each worker now trains on its slice of its own batch, so an epoch "
+                "may repeat some samples and skip others; losses and metrics are those of the "
+                "rows actually used.",
+                stacklevel=3,
             )
 
 
-def global_predictions(shards: Any, local_parts: list, template: Any) -> Any:
-    """This worker's predictions placed at its rows of a zero buffer of the global batch."""
+def place_rows(shards: Any, local_parts: list, template: Any) -> Any:
+    """This worker's rows placed at their position in a zero buffer of the global batch.
+
+    `local_parts` are structures of row blocks (concatenated in order);
+    `template` gives the structure, trailing shapes and dtypes.
+    """
 
     def place(*leaves):
         reference = _numpy(leaves[-1])
@@ -62,6 +92,14 @@ def global_predictions(shards: Any, local_parts: list, template: Any) -> Any:
         return buffer
 
     return tree.map_structure(place, *local_parts, template)
+
+
+def own_rows(shards: Any, structure: Any) -> Any:
+    """This worker's rows of a global-batch structure, in a zero buffer of the global batch."""
+    if structure is None:
+        return None
+    rows = tree.map_structure(lambda leaf: np.asarray(leaf)[shards.offset:shards.offset + shards.local_rows], structure)
+    return place_rows(shards, [rows], structure)
 
 
 class Exchange:

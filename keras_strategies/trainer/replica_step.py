@@ -312,17 +312,26 @@ class ReplicaStep:
         exchange.add("grads", grads)
         exchange.add("loss", [] if loss is None else [loss])
         local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
-        buffers = cross_worker.global_predictions(shards, local_parts, predictions[0])
+        buffers = cross_worker.place_rows(shards, local_parts, predictions[0])
         exchange.add("predictions", tree.flatten(buffers))
+        # Targets and weights of the rows every worker actually used: exact metrics even when
+        # workers read different batches.
+        targets = (cross_worker.own_rows(shards, shards.y), cross_worker.own_rows(shards, shards.sample_weight))
+        exchange.add("targets", [leaf for leaf in tree.flatten(targets) if leaf is not None])
         variables = self.model.non_trainable_variables
         kinds: list = []
         if non_trainable is not None:
             payload, kinds = cross_worker.non_trainable_payload(variables, non_trainable, host)
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
         result = exchange.run("gradient all-reduce" if grads else "predictions all-gather")
-        cross_worker.check_fingerprints(ops.convert_to_numpy(result["check"][0]), mine, self.num_workers)
+        exact = not grads and loss is None  # predict: outputs must line up with the input
+        cross_worker.check_fingerprints(ops.convert_to_numpy(result["check"][0]), mine, self.num_workers, exact)
         on_host = lambda value: engine.devices.copy_to(ops.convert_to_tensor(value), host)  # noqa: E731
         y_pred = tree.pack_sequence_as(buffers, [on_host(p) for p in result["predictions"]])
+        summed_targets = iter(result["targets"])
+        shards.y, shards.sample_weight = tree.map_structure(
+            lambda leaf: None if leaf is None else ops.convert_to_numpy(next(summed_targets)), targets
+        )
 
         def finish() -> None:
             if non_trainable is not None:
