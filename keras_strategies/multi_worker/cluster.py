@@ -41,15 +41,18 @@ class WorkerCluster:
 
 def resolve(resolver: Any) -> WorkerCluster:
     """Validates the resolver's cluster with TF's rules and orders the training workers."""
-    spec = roles.validate_multi_worker_config(resolver.cluster_spec(), resolver.task_type, resolver.task_id)
-    if not spec:
-        return WorkerCluster(1, 0, None, None, ("localhost",), ("local worker",), True, spec, None)
-    task_type, task_id = resolver.task_type, int(resolver.task_id)
-    if task_type not in ("chief", "worker"):
+    spec = roles.normalize_cluster_spec(resolver.cluster_spec())
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if spec and task_type in ("ps", "evaluator"):
+        roles.validate_cluster_spec(spec, task_type, task_id)
         raise ValueError(
             f"MultiWorkerMirroredStrategy runs on `chief` and `worker` tasks; this task is "
             f"{task_type!r} {task_id}. Start evaluators and parameter servers with their own code."
         )
+    spec = roles.validate_multi_worker_config(spec, task_type, task_id)
+    if not spec:
+        return WorkerCluster(1, 0, None, None, ("localhost",), ("local worker",), True, spec, None)
+    task_id = int(task_id)
     jobs = [job for job in ("chief", "worker") if job in spec.jobs]
     addresses, names = [], []
     for job in jobs:

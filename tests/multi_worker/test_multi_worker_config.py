@@ -1,0 +1,197 @@
+"""MultiWorkerMirroredStrategy set-up in one process: options, TF_CONFIG validation, local mode.
+
+Everything here is decided before a worker joins a cluster, so it runs in the
+test process; real multi-process runs are in the other `test_multi_worker_*` modules.
+"""
+
+import json
+import os
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_strategies as ks
+from keras_strategies.cluster_resolver import SimpleClusterResolver
+from keras_strategies.multi_worker import chief_only
+from keras_strategies.multi_worker.cluster import resolve
+from keras_strategies.multi_worker.health import HealthMonitor, LostWorkerError
+
+
+def test_communication_options_defaults_and_validation():
+    options = ks.CommunicationOptions()
+    assert (options.bytes_per_pack, options.timeout_seconds, options.implementation) == (
+        0, None, ks.CommunicationImplementation.AUTO)
+    assert options.effective_timeout == 300.0
+    assert ks.CommunicationOptions(implementation="ring").implementation == ks.CommunicationImplementation.RING
+    with pytest.raises(ValueError, match="bytes_per_pack must be non-negative"):
+        ks.CommunicationOptions(bytes_per_pack=-1)
+    with pytest.raises(ValueError, match="timeout_seconds must be a positive number"):
+        ks.CommunicationOptions(timeout_seconds=0)
+    with pytest.raises(ValueError, match="AUTO, RING or NCCL"):
+        ks.CommunicationOptions(implementation="mpi")
+    with pytest.raises(ValueError, match="communication_options must be a ks.CommunicationOptions"):
+        ks.MultiWorkerMirroredStrategy(communication_options={"timeout_seconds": 5})
+
+
+def test_nccl_is_refused_without_gpus():
+    options = ks.CommunicationOptions(implementation=ks.CommunicationImplementation.NCCL)
+    with pytest.raises(ValueError, match="NCCL needs GPUs"):
+        ks.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def _fit(strategy, x, y):
+    keras.utils.set_random_seed(3)
+    with strategy.scope() if strategy else ks.get_strategy().scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    return history.history, model.get_weights()
+
+
+@pytest.mark.parametrize("tf_config", [None, {"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": 0}}],
+                         ids=["no TF_CONFIG", "one-worker cluster"])
+def test_a_single_worker_trains_on_local_devices_like_one_device(monkeypatch, tf_config):
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    strategy = ks.MultiWorkerMirroredStrategy()
+    assert strategy.num_replicas_in_sync == len(ks.list_devices()) == 4
+    assert strategy.extended.should_checkpoint and strategy.extended.should_save_summary
+    assert isinstance(strategy.cluster_resolver, ks.cluster_resolver.TFConfigClusterResolver)
+    assert "MultiWorkerMirroredStrategy(worker=0/1" in repr(strategy)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(25, 3)).astype("float32"), rng.normal(size=(25, 1)).astype("float32")
+    (history, weights), (expected_history, expected_weights) = _fit(strategy, x, y), _fit(None, x, y)
+    np.testing.assert_allclose(history["loss"], expected_history["loss"], rtol=1e-5, atol=1e-6)
+    for got, expected in zip(weights, expected_weights):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tf_config, message", [
+    ({"cluster": {"worker": ["a:1", "b:2"]}}, "you must also specify `task_type` and `task_id`"),
+    ({"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 2}}, "exceeds the maximum id of worker"),
+    ({"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}, "`task_type` 'chief' not found in cluster_spec"),
+    ({"cluster": {"chief": ["a:1", "c:3"], "worker": ["b:2"]}, "task": {"type": "worker", "index": 0}}, "at most one 'chief' job"),
+    ({"cluster": {"worker": ["a:1"], "trainer": ["b:2"]}, "task": {"type": "worker", "index": 0}}, "Disallowed task type"),
+    ({"cluster": {"worker": ["a:1"]}, "task": {"type": "master", "index": 0}}, "Unrecognized task_type: master"),
+    ({"cluster": {"worker": ["a:1"], "ps": ["b:2"]}, "task": {"type": "ps", "index": 0}}, "runs on `chief` and `worker` tasks"),
+    ("{not json", "TF_CONFIG is not valid JSON"),
+], ids=["no task", "index too large", "unknown task type in cluster", "two chiefs", "unknown job", "bad type", "ps task", "bad json"])
+def test_invalid_tf_config_is_a_value_error_naming_the_problem(monkeypatch, tf_config, message):
+    monkeypatch.setenv("TF_CONFIG", tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("`", ".")):
+        ks.MultiWorkerMirroredStrategy()
+
+
+def test_workers_are_ordered_chief_first_and_worker_0_is_chief_without_one():
+    spec = {"chief": ["c:1"], "worker": ["w0:2", "w1:3"]}
+    cluster = resolve(SimpleClusterResolver(ks.ClusterSpec(spec), task_type="worker", task_id=1))
+    assert (cluster.num_workers, cluster.worker_index, cluster.is_chief) == (3, 2, False)
+    assert cluster.describe(0) == "chief 0 (c:1)" and cluster.describe(2) == "worker 1 (w1:3)"
+    no_chief = resolve(SimpleClusterResolver(ks.ClusterSpec({"worker": ["w0:2", "w1:3"]}), task_type="worker", task_id=0))
+    assert (no_chief.worker_index, no_chief.is_chief, no_chief.chief_address) == (0, True, "w0:2")
+
+
+def test_non_chief_callbacks_write_to_worker_temp_dirs(tmp_path):
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt" / "model_{epoch}.keras"))
+    board = keras.callbacks.TensorBoard(str(tmp_path / "logs"))
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    adapted = chief_only.adapt_callbacks([checkpoint, board, backup], task_id=3)
+    assert checkpoint.filepath == str(tmp_path / "ckpt" / "workertemp_3" / "model_{epoch}.keras")
+    assert board.log_dir == str(tmp_path / "logs" / "workertemp_3")
+    assert backup.backup_dir == str(tmp_path / "workertemp_3" / "backup")
+    assert backup._weights_path == str(tmp_path / "workertemp_3" / "backup" / "latest.weights.h5")
+    assert len(adapted) == 4  # plus the clean-up callback
+    for path in (tmp_path / "ckpt" / "workertemp_3", tmp_path / "workertemp_3"):
+        path.mkdir(parents=True)
+    adapted[-1].on_train_end()
+    assert not os.path.exists(tmp_path / "ckpt" / "workertemp_3") and not os.path.exists(tmp_path / "workertemp_3")
+
+
+class _Store:
+    """A key-value store shared by the simulated workers of one process."""
+
+    def __init__(self):
+        self.data, self.lock = {}, threading.Lock()
+
+    def set(self, key, value):
+        with self.lock:
+            self.data[key] = value
+
+    def try_get(self, key):
+        with self.lock:
+            return self.data.get(key)
+
+
+def _two_workers():
+    spec = ks.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+    return resolve(SimpleClusterResolver(spec, task_type="worker", task_id=0))
+
+
+def _wait_for_error(monitor, seconds):
+    deadline = time.monotonic() + seconds
+    while monitor.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return monitor.error
+
+
+def test_watchdog_names_a_peer_whose_heartbeat_stops():
+    store = _Store()
+    monitor = HealthMonitor(_two_workers(), store.set, store.try_get, timeout=60, dead_after=1.0, interval=0.1)
+    try:
+        store.set("keras_strategies/heartbeat/1", "1 0")  # one heartbeat, then silence
+        monitor.begin("gradient all-reduce")
+        error = _wait_for_error(monitor, 5)
+        assert isinstance(error, LostWorkerError)
+        assert "worker 1 (127.0.0.1:2) sent no heartbeat" in str(error) and "gradient all-reduce" in str(error)
+        assert monitor.failed(RuntimeError("connection reset")) is error
+        with pytest.raises(LostWorkerError):
+            monitor.begin("next collective")
+    finally:
+        monitor.stop()
+
+
+def test_watchdog_names_a_live_peer_that_never_joins_within_the_timeout():
+    store = _Store()
+    monitor = HealthMonitor(_two_workers(), store.set, store.try_get, timeout=1.0, dead_after=30, interval=0.1)
+    beating = threading.Event()
+
+    def peer():  # alive (heartbeats) but stuck before its first collective
+        seq = 0
+        while not beating.is_set():
+            seq += 1
+            store.set("keras_strategies/heartbeat/1", f"{seq} 0")
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    try:
+        monitor.begin("gradient all-reduce")
+        error = _wait_for_error(monitor, 5)
+        assert error is not None and "worker 1 (127.0.0.1:2) did not join it within timeout_seconds=1" in str(error)
+        monitor.end()
+    finally:
+        beating.set()
+        monitor.stop()
+
+
+def test_a_peer_that_left_after_completing_the_collective_is_not_an_error():
+    store = _Store()
+    monitor = HealthMonitor(_two_workers(), store.set, store.try_get, timeout=60, dead_after=30, interval=0.1)
+    try:
+        store.set("keras_strategies/heartbeat/1", "left 1")  # finished collective #0, then exited
+        monitor.begin("last collective")
+        time.sleep(0.6)
+        assert monitor.error is None
+        monitor.end()
+        store.set("keras_strategies/heartbeat/1", "left 1")
+        monitor.begin("one collective too many")
+        error = _wait_for_error(monitor, 3)
+        assert error is not None and "left the cluster" in str(error)
+        monitor.end()
+    finally:
+        monitor.stop()
