@@ -9,9 +9,11 @@ step eagerly (Keras variables are stateful, which `jax.jit` cannot trace).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 from keras_strategies.backend import engine
+from keras_strategies.strategy import sync_new_variables_from_chief
 
 
 def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *args: Any, **kwargs: Any) -> tuple[Any, list]:
@@ -28,5 +30,17 @@ def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *args: Any,
 
 
 def function(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Compiles a training step that calls `strategy.run` (see the module docstring)."""
-    return engine.compiler.compile_step(fn)
+    """Compiles a training step that calls `strategy.run` (see the module docstring).
+
+    Before each call, variables created since the last call are given the
+    chief's values (multi-worker strategies), which cannot happen inside a
+    compiled function.
+    """
+    compiled = engine.compiler.compile_step(fn)
+
+    @functools.wraps(fn)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        sync_new_variables_from_chief()
+        return compiled(*args, **kwargs)
+
+    return step

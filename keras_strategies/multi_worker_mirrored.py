@@ -199,8 +199,9 @@ class MultiWorkerMirroredExtended(MirroredExtended):
 
     def _sync_variables_from_chief(self, force: bool = False) -> None:
         """Overwrites variables with the chief's values: new ones, or all with `force`."""
-        if self._cluster.num_workers == 1:
+        if self._cluster.num_workers == 1 or engine.collectives.tracing() or not (force or self._new_variables):
             return
+        self._new_variables = False
         fresh = [v for v in self._scope_variables() if force or self._synced.get(id(v), lambda: None)() is not v]
         if not fresh:
             return

@@ -29,6 +29,15 @@ from keras_strategies.values import (
 )
 
 
+_LIVE_EXTENDED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def sync_new_variables_from_chief() -> None:
+    """Gives new variables of every live strategy the chief's values (multi-worker only)."""
+    for extended in list(_LIVE_EXTENDED):
+        extended._sync_variables_from_chief()
+
+
 class StrategyExtended:
     """Strategy internals (`strategy.extended`): devices, per-replica calls, reductions."""
 
@@ -36,6 +45,8 @@ class StrategyExtended:
         self._container = container_strategy
         self._devices = tuple(devices)
         self._variables: list = []
+        self._new_variables = False  # created since the last `_sync_variables_from_chief`
+        _LIVE_EXTENDED.add(self)
         # Strategies that own devices keep variables (and cross-replica results) on the first one.
         self._place_variables = place_variables
 
@@ -81,6 +92,7 @@ class StrategyExtended:
 
         if isinstance(obj, Variable):
             self._variables.append(weakref.ref(obj))
+            self._new_variables = True
 
     def _scope_variables(self) -> list:
         alive = [ref() for ref in self._variables]

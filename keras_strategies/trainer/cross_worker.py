@@ -98,7 +98,9 @@ def own_rows(shards: Any, structure: Any) -> Any:
     """This worker's rows of a global-batch structure, in a zero buffer of the global batch."""
     if structure is None:
         return None
-    rows = tree.map_structure(lambda leaf: np.asarray(leaf)[shards.offset:shards.offset + shards.local_rows], structure)
+    rows = structure  # per-worker input: the structure holds this worker's rows only
+    if shards.global_input:
+        rows = tree.map_structure(lambda leaf: np.asarray(leaf)[shards.offset:shards.offset + shards.local_rows], structure)
     return place_rows(shards, [rows], structure)
 
 

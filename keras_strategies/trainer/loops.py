@@ -21,6 +21,7 @@ from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_strategies.input import worker_sharding
 from keras_strategies.multi_worker import chief_only
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
 from keras_strategies.trainer.replica_step import ReplicaStep
@@ -47,6 +48,18 @@ def replica_step(model: Any, strategy: Any) -> _Steps:
         step._key = key
         object.__setattr__(model, _STEP_ATTR, step)
     return step
+
+
+def _per_worker_input(strategy: Any, x: Any) -> bool:
+    """Whether this multi-worker input is already sharded per worker (`input/worker_sharding.py`)."""
+    return strategy.extended._num_workers > 1 and worker_sharding.is_worker_sharded(x)
+
+
+def _epoch(epoch_iterator: Any, strategy: Any, model: Any, per_worker: bool) -> Any:
+    """The epoch's steps; with per-worker input, the same number on every worker."""
+    if not per_worker:
+        return epoch_iterator
+    return worker_sharding.agreed_steps(epoch_iterator, strategy.extended._any_worker_has, model.steps_per_execution)
 
 
 def _set_mode(model: Any, training: bool) -> None:
@@ -94,6 +107,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     epoch_iterator.reset()
     callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches, epochs, add_history=True)
     step = replica_step(model, strategy)
+    per_worker = _per_worker_input(strategy, x)
     model.stop_training = False
     training_logs = {}
     logs = {}
@@ -106,8 +120,8 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         callbacks.on_epoch_begin(epoch)
         _set_mode(model, True)
         logs = {}
-        with strategy.extended._same_shuffle_on_every_worker():
-            for begin_step, end_step, batches in epoch_iterator:
+        with strategy.extended._same_shuffle_on_every_worker(), worker_sharding.per_worker_input(per_worker):
+            for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
                 callbacks.on_train_batch_begin(begin_step)
                 for data in batches:
                     logs = step.train_step(data)
@@ -152,13 +166,15 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     callbacks.on_test_begin()
     logs = {}
     model.reset_metrics()
-    for begin_step, end_step, batches in epoch_iterator:
-        callbacks.on_test_batch_begin(begin_step)
-        for data in batches:
-            logs = step.test_step(data)
-        callbacks.on_test_batch_end(end_step, logs)
-        if model.stop_evaluating:
-            break
+    per_worker = _per_worker_input(strategy, x)
+    with worker_sharding.per_worker_input(per_worker):
+        for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
+            callbacks.on_test_batch_begin(begin_step)
+            for data in batches:
+                logs = step.test_step(data)
+            callbacks.on_test_batch_end(end_step, logs)
+            if model.stop_evaluating:
+                break
     logs = pythonify_logs(model._get_metrics_result_or_logs(logs))
     callbacks.on_test_end(logs)
     if return_dict:
@@ -179,17 +195,19 @@ def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, cal
     callbacks.on_predict_begin()
     outputs = None
     batch_outputs = None
-    for begin_step, end_step, batches in epoch_iterator:
-        callbacks.on_predict_batch_begin(begin_step)
-        for data in batches:
-            batch_outputs = tree.map_structure(keras_backend.convert_to_numpy, step.predict_step(data))
-            if outputs is None:
-                outputs = tree.map_structure(lambda output: [output], batch_outputs)
-            else:
-                tree.map_structure_up_to(batch_outputs, lambda acc, out: acc.append(out), outputs, batch_outputs)
-        callbacks.on_predict_batch_end(end_step, {"outputs": batch_outputs})
-        if model.stop_predicting:
-            break
+    per_worker = _per_worker_input(strategy, x)
+    with worker_sharding.per_worker_input(per_worker):
+        for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
+            callbacks.on_predict_batch_begin(begin_step)
+            for data in batches:
+                batch_outputs = tree.map_structure(keras_backend.convert_to_numpy, step.predict_step(data))
+                if outputs is None:
+                    outputs = tree.map_structure(lambda output: [output], batch_outputs)
+                else:
+                    tree.map_structure_up_to(batch_outputs, lambda acc, out: acc.append(out), outputs, batch_outputs)
+            callbacks.on_predict_batch_end(end_step, {"outputs": batch_outputs})
+            if model.stop_predicting:
+                break
     callbacks.on_predict_end()
     return tree.map_structure_up_to(batch_outputs, np.concatenate, outputs)
 

@@ -34,6 +34,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_strategies import context, keras_state, optimizer_hooks
 from keras_strategies.backend import engine
+from keras_strategies.input import worker_sharding
 from keras_strategies.trainer import cross_worker
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
 from keras_strategies.reduce_op import ReduceOp
@@ -63,17 +64,26 @@ def _pad_rows(leaf: Any, rows: int) -> Any:
 class Shards:
     """A global batch cut into per-replica shards, padded where the engine needs it."""
 
-    def __init__(self, data: Any, num_replicas: int, with_targets: bool, num_workers: int = 1, worker_index: int = 0):
+    def __init__(self, data: Any, num_replicas: int, with_targets: bool, num_workers: int = 1, worker_index: int = 0,
+                 worker_rows: Any = None):
         if with_targets:
             self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         else:
             self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)[0], None, None
-        self.batch = batch_size_of(self.x)
-        # The global batch is split over every replica of every worker; this worker takes
-        # the consecutive shards of its own replicas, rows [offset, offset + local_rows).
-        all_sizes = shard_sizes(self.batch, num_replicas * num_workers)
-        self.sizes = all_sizes[worker_index * num_replicas:(worker_index + 1) * num_replicas]
-        self.offset = sum(all_sizes[:worker_index * num_replicas])
+        # `worker_rows`: per-worker input, where `data` holds this worker's rows only and
+        # `worker_rows[i]` is worker i's batch size (the global batch is their concatenation).
+        self.global_input = worker_rows is None
+        if self.global_input:
+            self.batch = batch_size_of(self.x)
+            # The global batch is split over every replica of every worker; this worker takes
+            # the consecutive shards of its own replicas, rows [offset, offset + local_rows).
+            all_sizes = shard_sizes(self.batch, num_replicas * num_workers)
+            self.sizes = all_sizes[worker_index * num_replicas:(worker_index + 1) * num_replicas]
+            self.offset = sum(all_sizes[:worker_index * num_replicas])
+        else:
+            self.batch = int(sum(worker_rows))
+            self.sizes = shard_sizes(worker_rows[worker_index], num_replicas)
+            self.offset = int(sum(worker_rows[:worker_index]))
         self.local_rows = sum(self.sizes)
         if engine.replicas.EQUAL_SHARDS:
             self.rows = [max(max(self.sizes), 1)] * num_replicas
@@ -81,7 +91,7 @@ class Shards:
             self.rows = [max(size, 1) for size in self.sizes]  # an empty replica runs one padding row
         self.padded = self.rows != self.sizes
         local = (self.x, self.y, self.sample_weight)
-        if num_workers > 1:
+        if num_workers > 1 and self.global_input:
             local = tree.map_structure(
                 lambda leaf: None if leaf is None else leaf[self.offset:self.offset + self.local_rows], local
             )
@@ -248,7 +258,13 @@ class ReplicaStep:
     # --- steps ----------------------------------------------------------------------------
     def _shards(self, data: Any, with_targets: bool) -> Shards:
         extended = self.strategy.extended
-        return Shards(data, len(self.devices), with_targets, extended._num_workers, extended._worker_index)
+        worker_rows = None
+        if worker_sharding.active():  # per-worker input: the workers tell each other their batch sizes
+            rows = np.zeros((extended._num_workers,), "float32")
+            rows[extended._worker_index] = batch_size_of(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
+            (rows,) = extended._cross_worker_sum([rows], "batch sizes of per-worker input")
+            worker_rows = [int(round(float(r))) for r in ops.convert_to_numpy(rows)]
+        return Shards(data, len(self.devices), with_targets, extended._num_workers, extended._worker_index, worker_rows)
 
     def train_step(self, data: Any) -> dict:
         model = self.model
@@ -324,8 +340,9 @@ class ReplicaStep:
             payload, kinds = cross_worker.non_trainable_payload(variables, non_trainable, host)
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
         result = exchange.run("gradient all-reduce" if grads else "predictions all-gather")
-        exact = not grads and loss is None  # predict: outputs must line up with the input
-        cross_worker.check_fingerprints(ops.convert_to_numpy(result["check"][0]), mine, self.num_workers, exact)
+        if shards.global_input:
+            exact = not grads and loss is None  # predict: outputs must line up with the input
+            cross_worker.check_fingerprints(ops.convert_to_numpy(result["check"][0]), mine, self.num_workers, exact)
         on_host = lambda value: engine.devices.copy_to(ops.convert_to_tensor(value), host)  # noqa: E731
         y_pred = tree.pack_sequence_as(buffers, [on_host(p) for p in result["predictions"]])
         summed_targets = iter(result["targets"])

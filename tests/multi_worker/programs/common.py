@@ -46,8 +46,10 @@ def guide_loop(strategy, model, optimizer, dataset, ks, n=N):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    losses = []
-    for inputs, size in zip(dist_dataset, global_batch_sizes(n)):
-        per_replica = strategy.run(train_step, args=(inputs, size))
-        losses.append(float(ops.convert_to_numpy(strategy.reduce("SUM", per_replica, axis=None))))
-    return losses
+    @ks.function
+    def distributed_train_step(dist_inputs, global_batch_size):
+        per_replica_losses = strategy.run(train_step, args=(dist_inputs, global_batch_size))
+        return strategy.reduce(ks.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    return [float(ops.convert_to_numpy(distributed_train_step(inputs, size)))
+            for inputs, size in zip(dist_dataset, global_batch_sizes(n))]

@@ -1,0 +1,613 @@
+"""Multi-worker benchmark: `ks.MultiWorkerMirroredStrategy` next to each backend's own multi-process path.
+
+Two worker processes x 1 CPU device each, on 127.0.0.1, started by the
+package's launcher (`keras_strategies.launcher.supervisor.launch`, which sets
+`TF_CONFIG`). Same model, data and global batch as `bench/mirrored_step_time.py`
+(MLP 64 -> 3 x Dense(256, relu) -> Dense(10), Adam(1e-3), sparse CE, global
+batch 256, so 128 rows per worker). Per backend it measures:
+
+1. Step time (median ms/step after a warm-up epoch) of `model.fit` under
+   `ks.MultiWorkerMirroredStrategy` ("ks" jobs) vs the backend's own
+   multi-process path ("native" jobs), reported as the ratio ours / native:
+   - TensorFlow: a `tf.distribute.MultiWorkerMirroredStrategy` custom training
+     loop (a `tf.function` train step with `strategy.run` and
+     `optimizer.apply_gradients`; Keras 3 `fit` under TF's MWMS is broken,
+     keras-team/keras#20585).
+   - JAX: Keras' own multi-process path, `keras.distribution.initialize(...)` +
+     `set_distribution(DataParallel(devices=list_devices()))` + `fit`, each
+     process feeding its half of every global batch (`batch_size=128`,
+     `auto_shard_dataset=False`, which Keras requires for NumPy input; Keras
+     builds the global array with `jax.make_array_from_process_local_data`).
+   - PyTorch: a `torch.nn.parallel.DistributedDataParallel` loop (gloo) on an
+     equivalent `torch.nn` MLP with `torch.optim.Adam`.
+   Every step of every mode ends with the global loss and accuracy on the host,
+   as Keras' logs do (the TF and torch loops all-reduce [loss, correct] for it).
+2. All-reduce throughput (in the "ks" jobs, after fit) for ~1 MB and ~16 MB of
+   float32 split into 10 tensors (5 "kernels" + 5 "biases", like gradients):
+   ours = `strategy.extended._cross_worker_sum(tensors, "bench")`, raw = the
+   engine's bare collective on one pre-flattened buffer already in place:
+   - TensorFlow: a `tf.function` running one `tf.raw_ops.CollectiveReduceV2`,
+   - JAX: a jitted sum over a one-device-per-process mesh of a prebuilt global
+     array (`jax.make_array_from_single_device_arrays`),
+   - PyTorch: `torch.distributed.all_reduce` (gloo) of one flat tensor.
+   Ours and raw alternate in blocks, the same sequence on both workers.
+   Reported: median ms per all-reduce, the payload rate (MB of payload / s) and
+   the ratio ours_rate / raw_rate (target >= 0.9).
+
+Each job is one `launch(...)` of this script with `--job`; each worker prints
+one `BENCH-RESULT {json}` line, the parent reads worker 0's (and worker 1's step
+time as a cross-check) and prints Markdown tables.
+
+Timing: `model.fit` is timed with a Keras callback (`on_train_batch_begin` /
+`on_train_batch_end`; defining `on_train_batch_end` makes Keras convert the
+logs to floats first, a device sync), custom loops with `perf_counter` around
+the step plus the host read of its loss and accuracy. Epoch 0 is warm-up.
+Intra-op threads are capped at 1 per process (`--threads`), as in
+`bench/mirrored_step_time.py`: 2 processes on 2 cores.
+
+Usage:
+    python bench/multi_worker_step_time.py                       # all backends (~3-5 min)
+    python bench/multi_worker_step_time.py --quick               # fewer steps / iterations
+    python bench/multi_worker_step_time.py --backends torch,jax --repeats 2
+    python bench/multi_worker_step_time.py --source /tmp/ks_snapshot   # a frozen copy of the package
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+
+from mirrored_step_time import (  # noqa: E402  (the same model, data and thread cap)
+    CLASSES,
+    FEATURES,
+    GLOBAL_BATCH,
+    HIDDEN,
+    _build_model,
+    _limit_threads,
+    _make_data,
+    source_fingerprint,
+)
+
+RESULT_PREFIX = "BENCH-RESULT "
+BACKENDS = ("tensorflow", "jax", "torch")
+WORKERS = 2
+STEP_TARGET = 1.05  # ours / native ms per step
+RATE_TARGET = 0.9  # ours / raw all-reduce rate
+PAYLOADS_MB = (1, 16)
+TENSORS = 10
+
+NATIVE_NAMES = {
+    "tensorflow": "tf.distribute.MultiWorkerMirroredStrategy custom loop",
+    "jax": "keras.distribution.DataParallel fit (jax.distributed + gloo)",
+    "torch": "torch DistributedDataParallel loop (gloo)",
+}
+RAW_NAMES = {
+    "tensorflow": "tf.raw_ops.CollectiveReduceV2 in a tf.function",
+    "jax": "jitted sum over a process mesh (gloo)",
+    "torch": "dist.all_reduce, one flat tensor (gloo)",
+}
+
+
+# ---------------------------------------------------------------------------
+# Worker side: one process of a 2-worker job.
+# ---------------------------------------------------------------------------
+def _cluster() -> tuple[int, list]:
+    config = json.loads(os.environ["TF_CONFIG"])
+    return int(config["task"]["index"]), list(config["cluster"]["worker"])
+
+
+def _local_rows(index: int, x, y):
+    """This worker's half of every global batch, in order (rows [128 i, 128 (i + 1)) of each)."""
+    per_worker = GLOBAL_BATCH // WORKERS
+    steps = x.shape[0] // GLOBAL_BATCH
+    xl = x.reshape(steps, GLOBAL_BATCH, -1)[:, index * per_worker:(index + 1) * per_worker].reshape(-1, x.shape[1])
+    yl = y.reshape(steps, GLOBAL_BATCH)[:, index * per_worker:(index + 1) * per_worker].reshape(-1)
+    return xl, yl
+
+
+def _summary(step_s: list, epochs_steps: list, first_epoch_s: list) -> dict:
+    """Median etc. of measured step times (seconds) -> ms."""
+    import numpy as np
+
+    ms = [1e3 * s for s in step_s]
+    return {
+        "median_ms": statistics.median(ms),
+        "p10_ms": float(np.percentile(ms, 10)),
+        "p90_ms": float(np.percentile(ms, 90)),
+        "cycle_median_ms": statistics.median(epochs_steps) if epochs_steps else None,
+        "first_step_ms": 1e3 * first_epoch_s[0] if first_epoch_s else None,
+        "measured_steps": len(ms),
+    }
+
+
+def _fit_timed(keras, model, x, y, batch_size: int, epochs: int) -> dict:
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch, self.begin, self.end = 0, {}, {}
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+            self.begin[epoch], self.end[epoch] = [], []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.begin[self.epoch].append(time.perf_counter())
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.end[self.epoch].append(time.perf_counter())  # logs are Python floats by now
+
+    timer = StepTimer()
+    history = model.fit(x, y, batch_size=batch_size, epochs=1 + epochs, shuffle=False, verbose=0, callbacks=[timer])
+    steps, cycles = [], []
+    for epoch in range(1, 1 + epochs):
+        b, e = timer.begin[epoch], timer.end[epoch]
+        steps += [t1 - t0 for t0, t1 in zip(b, e)]
+        cycles += [1e3 * (t1 - t0) for t0, t1 in zip(b, b[1:])]
+    result = _summary(steps, cycles, [t1 - t0 for t0, t1 in zip(timer.begin[0], timer.end[0])])
+    result["final_loss"] = float(history.history["loss"][-1])
+    result["final_accuracy"] = float(history.history["accuracy"][-1])
+    return result
+
+
+def _loop_timed(step_fn, batches: list, epochs: int) -> dict:
+    """Runs `step_fn(*batch) -> (loss, accuracy)` (host floats) over `batches`, 1 + epochs times."""
+    per_epoch, cycles, loss, accuracy = [], [], None, None
+    for _ in range(1 + epochs):
+        times, begins = [], []
+        for batch in batches:
+            start = time.perf_counter()
+            begins.append(start)
+            loss, accuracy = step_fn(*batch)
+            times.append(time.perf_counter() - start)
+        per_epoch.append(times)
+        if len(per_epoch) > 1:
+            cycles += [1e3 * (t1 - t0) for t0, t1 in zip(begins, begins[1:])]
+    result = _summary([t for times in per_epoch[1:] for t in times], cycles, per_epoch[0])
+    result["final_loss"], result["final_accuracy"] = float(loss), float(accuracy)
+    return result
+
+
+# --- native paths --------------------------------------------------------------------
+def _native_tensorflow(args, index: int, x, y) -> tuple[dict, str]:
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # reads TF_CONFIG; before any TF op
+    import keras
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = _build_model(keras)  # compiled, but only its layers and optimizer are used
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            loss = tf.reduce_sum(loss_fn(yb, logits)) / GLOBAL_BATCH
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))  # all-reduces the gradients
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), yb), tf.float32))
+        return tf.stack([loss, correct])
+
+    @tf.function
+    def train_step(xb, yb):
+        per_replica = strategy.run(replica_step, args=(xb, yb))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    def step(xb, yb):
+        totals = train_step(xb, yb).numpy()
+        return totals[0], totals[1] / GLOBAL_BATCH
+
+    xl, yl = _local_rows(index, x, y)
+    half = GLOBAL_BATCH // WORKERS
+    batches = [(tf.constant(xl[i:i + half]), tf.constant(yl[i:i + half])) for i in range(0, len(xl), half)]
+    return _loop_timed(step, batches, args.epochs), (
+        f"tf.distribute.MultiWorkerMirroredStrategy({strategy.num_replicas_in_sync} replicas), "
+        f"custom tf.function loop, {half} rows per worker"
+    )
+
+
+def _native_jax(args, index: int, addresses: list, x, y) -> tuple[dict, str]:
+    import jax
+
+    # Keras' initialize does not choose CPU collectives; without gloo, cross-process
+    # computations on CPU fail.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    import keras
+
+    keras.utils.set_random_seed(0)  # else initialize() agrees on a seed with a pmap psum
+    keras.distribution.initialize(job_addresses=",".join(addresses), num_processes=WORKERS, process_id=index)
+    devices = keras.distribution.list_devices()
+    # NumPy input must come pre-sharded: each process passes its own rows (Keras refuses
+    # arrays with auto-sharding on, which only knows how to shard a tf.data.Dataset).
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False))
+    model = _build_model(keras)
+    xl, yl = _local_rows(index, x, y)
+    half = GLOBAL_BATCH // WORKERS
+    result = _fit_timed(keras, model, xl, yl, half, args.epochs)
+    return result, (
+        f"keras.distribution.DataParallel(devices={devices}), jax.process_count()={jax.process_count()}, "
+        f"fit(batch_size={half}) on each process's half of every global batch"
+    )
+
+
+def _native_torch(args, index: int, addresses: list, x, y) -> tuple[dict, str]:
+    import torch
+    import torch.distributed as dist
+
+    host, port = addresses[0].rsplit(":", 1)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=index, world_size=WORKERS)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, CLASSES),
+    )
+    model = torch.nn.parallel.DistributedDataParallel(net)  # broadcasts rank 0's weights
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = torch.nn.CrossEntropyLoss()  # mean over the local rows; DDP averages over ranks
+
+    def step(xb, yb):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(xb)
+        loss = loss_fn(logits, yb)
+        loss.backward()  # DDP all-reduces the gradient buckets here
+        optimizer.step()
+        with torch.no_grad():
+            totals = torch.stack([loss.detach() * yb.shape[0], (logits.argmax(-1) == yb).sum().float()])
+            dist.all_reduce(totals)
+        loss_sum, correct = totals.tolist()
+        return loss_sum / GLOBAL_BATCH, correct / GLOBAL_BATCH
+
+    xl, yl = _local_rows(index, x, y)
+    half = GLOBAL_BATCH // WORKERS
+    batches = [(torch.from_numpy(xl[i:i + half].copy()), torch.from_numpy(yl[i:i + half].astype("int64")))
+               for i in range(0, len(xl), half)]
+    try:
+        result = _loop_timed(step, batches, args.epochs)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result, f"DistributedDataParallel(gloo, world_size={WORKERS}), Adam, {half} rows per rank"
+
+
+# --- all-reduce: ours vs the raw engine -------------------------------------------------
+def _payload_shapes(megabytes: float) -> list:
+    """10 float32 shapes totalling ~`megabytes` MB: 5 kernels (d, d) and 5 biases (d,)."""
+    floats = megabytes * 2**20 / 4
+    d = int(((25 + 20 * floats) ** 0.5 - 5) / 10)  # 5 d^2 + 5 d = floats
+    return [(d, d), (d,)] * (TENSORS // 2)
+
+
+def _engines(backend: str, strategy, shapes: list):
+    """(ours, raw) zero-argument callables that run one all-reduce each, to completion."""
+    import numpy as np
+
+    total = sum(int(np.prod(s)) for s in shapes)
+    ours_inputs = [np.zeros(s, "float32") for s in shapes]
+    reduce_ours = strategy.extended._cross_worker_sum
+    if backend == "tensorflow":
+        import tensorflow as tf
+        from keras_strategies.backend.tensorflow import collectives
+
+        device = collectives._state["device"]
+        with tf.device(device):
+            tensors = [tf.constant(a) for a in ours_inputs]
+            flat = tf.zeros([total], "float32")
+
+        @tf.function
+        def raw_fn(t):
+            with tf.device(device):
+                return tf.raw_ops.CollectiveReduceV2(
+                    input=t, group_size=WORKERS, group_key=7_000_000, instance_key=7_000_000 + total % 1000,
+                    ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
+                )
+
+        def ours():
+            return reduce_ours(tensors, "bench")  # eager TF on CPU: the results are ready on return
+
+        def raw():
+            return raw_fn(flat)
+
+        return ours, raw
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        tensors = [jnp.asarray(a) for a in ours_inputs]
+        first = {}
+        for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+            first.setdefault(d.process_index, d)
+        mesh = Mesh(np.array([first[i] for i in sorted(first)]), ("workers",))
+        local = jax.device_put(np.zeros((1, total), "float32"), first[jax.process_index()])
+        stacked = jax.make_array_from_single_device_arrays((len(first), total), NamedSharding(mesh, P("workers")), [local])
+        program = jax.jit(lambda s: jnp.sum(s, axis=0), out_shardings=NamedSharding(mesh, P()))
+
+        def ours():
+            return jax.block_until_ready(reduce_ours(tensors, "bench"))
+
+        def raw():
+            return program(stacked).block_until_ready()
+
+        return ours, raw
+    import torch
+    import torch.distributed as dist
+
+    tensors = [torch.from_numpy(a) for a in ours_inputs]
+    flat = torch.zeros(total, dtype=torch.float32)
+
+    def ours():
+        return reduce_ours(tensors, "bench")
+
+    def raw():
+        dist.all_reduce(flat)
+        return flat
+
+    return ours, raw
+
+
+def _all_reduce_bench(backend: str, strategy, iters: int, blocks: int) -> list:
+    import numpy as np
+
+    rows = []
+    for megabytes in PAYLOADS_MB:
+        shapes = _payload_shapes(megabytes)
+        nbytes = 4 * sum(int(np.prod(s)) for s in shapes)
+        ours, raw = _engines(backend, strategy, shapes)
+        for _ in range(3):  # warm-up: tracing, compilation, connections
+            ours()
+            raw()
+        times = {"ours": [], "raw": []}
+        per_block = max(1, iters // blocks)
+        for block in range(blocks):
+            order = (("ours", ours), ("raw", raw)) if block % 2 == 0 else (("raw", raw), ("ours", ours))
+            for name, fn in order:
+                for _ in range(per_block):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+        row = {"payload_mb": nbytes / 2**20, "tensors": len(shapes), "iterations": len(times["ours"])}
+        for name in ("ours", "raw"):
+            ms = statistics.median(times[name]) * 1e3
+            row[f"{name}_ms"] = ms
+            row[f"{name}_p10_ms"] = float(np.percentile(times[name], 10) * 1e3)
+            row[f"{name}_p90_ms"] = float(np.percentile(times[name], 90) * 1e3)
+            row[f"{name}_mb_s"] = nbytes / 2**20 / (ms / 1e3)
+        rows.append(row)
+    return rows
+
+
+def run_job(args) -> None:
+    if args.source:
+        sys.path.insert(0, os.path.abspath(args.source))
+    os.environ["KERAS_BACKEND"] = args.backend
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    index, addresses = _cluster()
+    _limit_threads(args.backend, args.threads)
+    x, y = _make_data(args.steps)
+
+    if args.mode == "ks":
+        import keras_strategies as ks
+
+        strategy = ks.MultiWorkerMirroredStrategy()  # at program start: joins the cluster
+        import keras
+
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = _build_model(keras)
+        joined = time.perf_counter()
+        result = _fit_timed(keras, model, x, y, GLOBAL_BATCH, args.epochs)
+        origin = os.path.dirname(os.path.dirname(os.path.abspath(ks.__file__)))
+        setup = f"{strategy!r}, fit(batch_size={GLOBAL_BATCH}) on the full data, keras_strategies from {origin}"
+        if args.allreduce_iters:
+            result["allreduce"] = _all_reduce_bench(args.backend, strategy, args.allreduce_iters, args.blocks)
+    else:
+        joined = time.perf_counter()
+        if args.backend == "tensorflow":
+            result, setup = _native_tensorflow(args, index, x, y)
+        elif args.backend == "jax":
+            result, setup = _native_jax(args, index, addresses, x, y)
+        else:
+            result, setup = _native_torch(args, index, addresses, x, y)
+    result.update(
+        backend=args.backend, mode=args.mode, worker=index, setup=setup, threads=args.threads,
+        process_s=time.perf_counter() - started, after_start_s=time.perf_counter() - joined,
+        load_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+    )
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Parent: one 2-worker job per (backend, mode, repeat), then the tables.
+# ---------------------------------------------------------------------------
+def launch_job(backend: str, mode: str, args) -> dict:
+    from keras_strategies.launcher.supervisor import launch
+
+    job_args = [
+        "--job", "--backend", backend, "--mode", mode, "--steps", str(args.steps), "--epochs", str(args.epochs),
+        "--threads", str(args.threads), "--allreduce-iters", str(args.allreduce_iters if mode == "ks" else 0),
+        "--blocks", str(args.blocks),
+    ] + (["--source", args.source] if args.source and mode == "ks" else [])
+    out, err = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    code = launch(
+        os.path.abspath(__file__), job_args, workers=WORKERS, devices_per_worker=1, backend=backend,
+        timeout=args.timeout, env={"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": backend}, stdout=out, stderr=err,
+    )
+    wall = time.perf_counter() - start
+    results = {}
+    for line in out.getvalue().splitlines():
+        head, sep, rest = line.partition("] ")
+        if sep and rest.startswith(RESULT_PREFIX):
+            results[head.strip("[")] = json.loads(rest[len(RESULT_PREFIX):])
+    if code != 0 or "worker 0" not in results:
+        tail = "\n".join(err.getvalue().strip().splitlines()[-20:])
+        return {"error": f"exit {code}: {tail}", "wall_s": wall}
+    result = dict(results["worker 0"])
+    other = results.get("worker 1", {})
+    result["worker1_median_ms"] = other.get("median_ms")
+    result["wall_s"] = wall
+    return result
+
+
+def _fmt(value, spec=".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_parent(args) -> int:
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {unknown}; choose from {BACKENDS}")
+    if args.quick:
+        args.steps, args.epochs, args.allreduce_iters = 20, 1, 20
+    fingerprint = source_fingerprint(args.source)
+    t0 = time.perf_counter()
+    runs: dict = {}
+    loads: list = []
+    for repeat in range(args.repeats):
+        for backend in backends:
+            order = ("ks", "native") if repeat % 2 == 0 else ("native", "ks")
+            for mode in order:
+                result = launch_job(backend, mode, args)
+                runs.setdefault((backend, mode), []).append(result)
+                loads += result.get("load_1min", [])
+                status = result.get("error") or (
+                    f"{result['median_ms']:.2f} ms/step (p10 {result['p10_ms']:.2f}, p90 {result['p90_ms']:.2f}; "
+                    f"worker 1 {_fmt(result['worker1_median_ms'])}), loss {result['final_loss']:.4f}, "
+                    f"acc {result['final_accuracy']:.4f}, job {result['wall_s']:.1f}s"
+                )
+                print(f"[{time.perf_counter() - t0:6.1f}s] {backend:<10} {mode:<6} {status}", file=sys.stderr, flush=True)
+                for row in result.get("allreduce", []):
+                    print(f"          all-reduce {row['payload_mb']:.2f} MB: ours {row['ours_ms']:.3f} ms, "
+                          f"raw {row['raw_ms']:.3f} ms", file=sys.stderr, flush=True)
+
+    errors = []
+    step_lines = [
+        "| backend | ours ms/step (worker 1) | native path | native ms/step (worker 1) | ratio ours/native | target |",
+        "|---|---:|---|---:|---:|---|",
+    ]
+    cycle_lines = [
+        "| backend | ours cycle ms | native cycle ms | cycle ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    reduce_lines = [
+        "| backend | payload | ours ms | ours MB/s | raw engine | raw ms | raw MB/s | ratio ours/raw (rate) | target |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for backend in backends:
+        ours_runs = [r for r in runs[(backend, "ks")] if "error" not in r]
+        base_runs = [r for r in runs[(backend, "native")] if "error" not in r]
+        errors += [f"{backend}/{mode}: {r['error']}" for mode in ("ks", "native")
+                   for r in runs[(backend, mode)] if "error" in r]
+        pairs = list(zip(runs[(backend, "ks")], runs[(backend, "native")]))
+        ratios = [a["median_ms"] / b["median_ms"] for a, b in pairs if "error" not in a and "error" not in b]
+        cratios = [a["cycle_median_ms"] / b["cycle_median_ms"] for a, b in pairs
+                   if "error" not in a and "error" not in b and a.get("cycle_median_ms") and b.get("cycle_median_ms")]
+        ratio = _median(ratios)
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+        met = "" if ratio is None else (" met" if ratio <= STEP_TARGET else " **missed**")
+        ours = _median(r["median_ms"] for r in ours_runs)
+        base = _median(r["median_ms"] for r in base_runs)
+        ours1 = _median(r["worker1_median_ms"] for r in ours_runs)
+        base1 = _median(r["worker1_median_ms"] for r in base_runs)
+        step_lines.append(
+            f"| {backend} | {_fmt(ours)} ({_fmt(ours1)}) | {NATIVE_NAMES[backend]} | {_fmt(base)} ({_fmt(base1)}) | "
+            f"{_fmt(ratio)}{spread} | <= {STEP_TARGET:.2f}{met} |"
+        )
+        cycle_lines.append(
+            f"| {backend} | {_fmt(_median(r['cycle_median_ms'] for r in ours_runs))} | "
+            f"{_fmt(_median(r['cycle_median_ms'] for r in base_runs))} | {_fmt(_median(cratios))} |"
+        )
+        by_payload: dict = {}
+        for r in ours_runs:
+            for row in r.get("allreduce", []):
+                by_payload.setdefault(round(row["payload_mb"], 2), []).append(row)
+        for payload, rows in sorted(by_payload.items()):
+            o_ms = _median(row["ours_ms"] for row in rows)
+            r_ms = _median(row["raw_ms"] for row in rows)
+            rate_ratios = [row["raw_ms"] / row["ours_ms"] for row in rows]
+            rr = _median(rate_ratios)
+            spread = f" ({min(rate_ratios):.2f}-{max(rate_ratios):.2f})" if len(rate_ratios) > 1 else ""
+            met = " met" if rr >= RATE_TARGET else " **missed**"
+            reduce_lines.append(
+                f"| {backend} | {payload:.2f} MB in {rows[0]['tensors']} tensors | {o_ms:.3f} | {payload / o_ms * 1e3:.0f} | "
+                f"{RAW_NAMES[backend]} | {r_ms:.3f} | {payload / r_ms * 1e3:.0f} | {rr:.2f}{spread} | "
+                f">= {RATE_TARGET:.2f}{met} |"
+            )
+
+    per_run = args.steps * args.epochs
+    print(f"2 workers x 1 CPU device on 127.0.0.1 (keras_strategies.launcher), MLP {FEATURES}->{HIDDEN}x3->{CLASSES}, "
+          f"Adam, sparse CE + accuracy, global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // WORKERS} rows per worker), "
+          f"median of {per_run} steps per run on worker 0 (warm-up epoch excluded), {args.repeats} run(s) per cell, "
+          f"all-reduce: median of {args.allreduce_iters} iterations per run, "
+          f"intra-op threads {args.threads or 'backend default'}, total {time.perf_counter() - t0:.0f}s")
+    fingerprint_end = source_fingerprint(args.source)
+    if fingerprint_end != fingerprint:
+        fingerprint += f" at the start; CHANGED during the run, at the end: {fingerprint_end}"
+    print(f"Code: {fingerprint}. Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+          f"1-min load average during the run {min(loads, default=0):.2f}-{max(loads, default=0):.2f}")
+    print()
+    print("\n".join(step_lines))
+    print()
+    print("Cross-check, begin-to-begin cycle time on worker 0:")
+    print()
+    print("\n".join(cycle_lines))
+    print()
+    print("All-reduce, ours (`strategy.extended._cross_worker_sum` of the tensors) vs the raw engine "
+          "(one pre-flattened buffer), worker 0:")
+    print()
+    print("\n".join(reduce_lines))
+    if errors:
+        print("\nErrors:\n" + "\n".join(errors))
+    return 1 if errors else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", action="store_true", help="(internal) run as one worker of a launched job")
+    parser.add_argument("--backend", choices=BACKENDS, help="job: the Keras backend")
+    parser.add_argument("--mode", choices=("ks", "native"), help="job: ks.MultiWorkerMirroredStrategy or native")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="parent: comma-separated backends")
+    parser.add_argument("--steps", type=int, default=50, help="global steps per epoch (default 50)")
+    parser.add_argument("--epochs", type=int, default=2, help="measured epochs after the warm-up epoch (default 2)")
+    parser.add_argument("--allreduce-iters", type=int, default=60,
+                        help="all-reduce iterations per payload and side (default 60; 0 = skip)")
+    parser.add_argument("--blocks", type=int, default=6, help="alternating ours/raw blocks (default 6)")
+    parser.add_argument("--quick", action="store_true", help="parent: 20 steps x 1 measured epoch, 20 all-reduces")
+    parser.add_argument("--repeats", type=int, default=1, help="parent: runs per cell, alternating order (default 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads per worker process (default 1; 0 = backend default)")
+    parser.add_argument("--source", default="",
+                        help="directory holding the keras_strategies package to benchmark (a `git archive` snapshot)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="parent: seconds per job")
+    args = parser.parse_args(argv)
+    if args.job:
+        if not args.backend or not args.mode:
+            parser.error("--job needs --backend and --mode")
+        run_job(args)
+        return 0
+    return run_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
