@@ -158,20 +158,111 @@ def _fit_timed(keras, model, x, y, batch_size: int, epochs: int) -> dict:
 
 
 def _loop_timed(step_fn, batches: list, epochs: int) -> dict:
-    """Runs `step_fn(*batch) -> (loss, accuracy)` (host floats) over `batches`, 1 + epochs times."""
-    per_epoch, cycles, loss, accuracy = [], [], None, None
+    """Runs `step_fn(*batch) -> (loss, accuracy)` (host floats) over `batches`, 1 + epochs times.
+
+    The final loss and accuracy are means over the last epoch, as in Keras' history.
+    """
+    per_epoch, cycles, logs = [], [], []
     for _ in range(1 + epochs):
-        times, begins = [], []
+        times, begins, logs = [], [], []
         for batch in batches:
             start = time.perf_counter()
             begins.append(start)
-            loss, accuracy = step_fn(*batch)
+            logs.append(step_fn(*batch))
             times.append(time.perf_counter() - start)
         per_epoch.append(times)
         if len(per_epoch) > 1:
             cycles += [1e3 * (t1 - t0) for t0, t1 in zip(begins, begins[1:])]
     result = _summary([t for times in per_epoch[1:] for t in times], cycles, per_epoch[0])
-    result["final_loss"], result["final_accuracy"] = float(loss), float(accuracy)
+    result["final_loss"] = statistics.fmean(float(loss) for loss, _ in logs)
+    result["final_accuracy"] = statistics.fmean(float(accuracy) for _, accuracy in logs)
+    return result
+
+
+# Pieces of ks's multi-worker train step (`ReplicaStep.train_step`,
+# keras_strategies/trainer/replica_step.py) timed by `_breakdown`.
+BREAKDOWN_SECTIONS = ("_train", "_exchange", "optimizer", "_update_metrics")
+
+
+def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
+    """Mean ms per step of the top-level pieces of ks's train step, over one more epoch of fit.
+
+    Wraps (in this process only) the model's `ReplicaStep` methods, the engine's
+    `optimizer.apply_gradients` and `strategy.extended._cross_worker_sum` (called
+    inside `_exchange`) with `perf_counter` timers that wait for each piece's
+    results (JAX dispatches asynchronously). Also records what one step sends
+    across workers: bytes and dtypes (the engines run one collective per dtype).
+    """
+    from keras_strategies.backend import engine
+
+    holder = getattr(model, "_ks_replica_step", None)
+    step_obj = getattr(getattr(holder, "train_step", None), "__self__", None)
+    if step_obj is None or not hasattr(step_obj, "_exchange"):
+        return {}
+    if backend == "jax":
+        import jax
+
+        def sync(out):
+            try:
+                jax.block_until_ready(out)
+            except Exception:  # noqa: BLE001 - non-array leaves
+                pass
+    else:
+        def sync(out):
+            return out
+
+    totals = {name: 0.0 for name in BREAKDOWN_SECTIONS + ("train_step", "collective")}
+    payload = {"calls": 0, "bytes": 0, "dtypes": set()}
+
+    def timed(name, fn, after=None):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync(out if after is None else after())
+            totals[name] += time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    extended = strategy.extended
+    cross_worker_sum = extended._cross_worker_sum
+
+    def counted_sum(values, what="all-reduce"):
+        import numpy as np
+
+        payload["calls"] += 1
+        for value in values:
+            array = np.asarray(keras.ops.convert_to_numpy(value))
+            payload["bytes"] += array.nbytes
+            payload["dtypes"].add(str(array.dtype))
+        start = time.perf_counter()
+        out = cross_worker_sum(values, what)
+        sync(out)
+        totals["collective"] += time.perf_counter() - start
+        return out
+
+    patched = [(step_obj, name) for name in ("_train", "_exchange", "_update_metrics", "train_step")]
+    for obj, name in patched:
+        object.__setattr__(obj, name, timed(name, getattr(obj, name)))
+    engine_apply = engine.optimizer.apply_gradients
+    engine.optimizer.apply_gradients = timed(
+        "optimizer", engine_apply, after=lambda: [v.value for v in model.optimizer.variables]
+    )
+    extended._cross_worker_sum = counted_sum
+    holder.train_step = step_obj.train_step
+    steps = x.shape[0] // GLOBAL_BATCH
+    try:
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    finally:
+        engine.optimizer.apply_gradients = engine_apply
+        del extended._cross_worker_sum
+        for obj, name in patched:
+            obj.__dict__.pop(name, None)
+        holder.train_step = step_obj.train_step
+    result = {name: 1e3 * value / steps for name, value in totals.items()}
+    result["payload_kb"] = payload["bytes"] / 1024 / max(payload["calls"], 1)
+    result["dtypes"] = sorted(payload["dtypes"])
+    result["collective_calls_per_step"] = payload["calls"] / steps
     return result
 
 
@@ -413,6 +504,8 @@ def run_job(args) -> None:
         result = _fit_timed(keras, model, x, y, GLOBAL_BATCH, args.epochs)
         origin = os.path.dirname(os.path.dirname(os.path.abspath(ks.__file__)))
         setup = f"{strategy!r}, fit(batch_size={GLOBAL_BATCH}) on the full data, keras_strategies from {origin}"
+        if args.breakdown:
+            result["breakdown_ms"] = _breakdown(keras, model, strategy, x, y, args.backend)
         if args.allreduce_iters:
             result["allreduce"] = _all_reduce_bench(args.backend, strategy, args.allreduce_iters, args.blocks)
     else:
@@ -440,7 +533,7 @@ def launch_job(backend: str, mode: str, args) -> dict:
     job_args = [
         "--job", "--backend", backend, "--mode", mode, "--steps", str(args.steps), "--epochs", str(args.epochs),
         "--threads", str(args.threads), "--allreduce-iters", str(args.allreduce_iters if mode == "ks" else 0),
-        "--blocks", str(args.blocks),
+        "--blocks", str(args.blocks), "--breakdown", str(int(args.breakdown)),
     ] + (["--source", args.source] if args.source and mode == "ks" else [])
     out, err = io.StringIO(), io.StringIO()
     start = time.perf_counter()
@@ -555,6 +648,26 @@ def run_parent(args) -> int:
                 f">= {RATE_TARGET:.2f}{met} |"
             )
 
+    breakdown_lines = [
+        "| backend | train_step ms | _train (forward + backward) | _exchange (all cross-worker work) | "
+        "of which `_cross_worker_sum` | optimizer update | _update_metrics | rest | sent per step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for backend in backends:
+        parts = [r["breakdown_ms"] for r in runs[(backend, "ks")] if r.get("breakdown_ms")]
+        if not parts:
+            continue
+        part = parts[-1]
+        total = part["train_step"]
+        share = lambda v: f"{v:.2f} ({100 * v / total:.0f}%)" if total else f"{v:.2f}"  # noqa: E731
+        rest = total - sum(part[name] for name in BREAKDOWN_SECTIONS)
+        breakdown_lines.append(
+            f"| {backend} | {total:.2f} | {share(part['_train'])} | {share(part['_exchange'])} | "
+            f"{share(part['collective'])} | {share(part['optimizer'])} | {share(part['_update_metrics'])} | "
+            f"{share(rest)} | {part['payload_kb']:.0f} KB in {part['collective_calls_per_step']:.0f} call(s), "
+            f"dtypes {', '.join(part['dtypes'])} |"
+        )
+
     per_run = args.steps * args.epochs
     print(f"2 workers x 1 CPU device on 127.0.0.1 (keras_strategies.launcher), MLP {FEATURES}->{HIDDEN}x3->{CLASSES}, "
           f"Adam, sparse CE + accuracy, global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // WORKERS} rows per worker), "
@@ -577,6 +690,12 @@ def run_parent(args) -> int:
           "(one pre-flattened buffer), worker 0:")
     print()
     print("\n".join(reduce_lines))
+    if len(breakdown_lines) > 2:
+        print()
+        print("Where ks.MultiWorkerMirroredStrategy's train step spends its time on worker 0 (mean ms/step over one "
+              "more epoch, each piece timed to completion; cf. `_breakdown`):")
+        print()
+        print("\n".join(breakdown_lines))
     if errors:
         print("\nErrors:\n" + "\n".join(errors))
     return 1 if errors else 0
@@ -593,6 +712,8 @@ def main(argv=None) -> int:
     parser.add_argument("--allreduce-iters", type=int, default=60,
                         help="all-reduce iterations per payload and side (default 60; 0 = skip)")
     parser.add_argument("--blocks", type=int, default=6, help="alternating ours/raw blocks (default 6)")
+    parser.add_argument("--breakdown", type=int, default=1, choices=(0, 1),
+                        help="ks jobs: afterwards, time the pieces of ks's train step over one more epoch (default 1)")
     parser.add_argument("--quick", action="store_true", help="parent: 20 steps x 1 measured epoch, 20 all-reduces")
     parser.add_argument("--repeats", type=int, default=1, help="parent: runs per cell, alternating order (default 1)")
     parser.add_argument("--threads", type=int, default=1,

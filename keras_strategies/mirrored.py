@@ -43,8 +43,10 @@ class MirroredExtended(StrategyExtended):
         return regroup(run((), [() for _ in self._devices]))
 
     def _merge_call(self, replica_context, merge_fn, args, kwargs):
-        if len(self._devices) == 1:
+        if self.num_replicas_in_sync == 1:
             return super()._merge_call(replica_context, merge_fn, args, kwargs)
+        # Even one local replica (of several workers) merges through the engine, which leaves
+        # the backend's replica context (TensorFlow's optimizer needs its cross-replica context).
         strategy = self._container
 
         def merge(per_replica):

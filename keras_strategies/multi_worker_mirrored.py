@@ -19,7 +19,6 @@ from keras import ops
 from keras.src import backend as keras_backend
 from keras.src import tree
 
-from keras_strategies import context
 from keras_strategies.backend import engine
 from keras_strategies.cluster_resolver import TFConfigClusterResolver
 from keras_strategies.devices import default_compute_devices
@@ -167,8 +166,11 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         result = engine.replicas.merge_call(fn, value)
         if engine.collectives.tracing():
             return result
-        device = context.get_replica_context().devices[0]  # each replica gets the result on its own device
-        return tree.map_structure(lambda leaf: engine.devices.copy_to(ops.convert_to_tensor(leaf), device), result)
+        # Each replica gets the result where its own value was (as the engines' local all-reduce does).
+        devices = [engine.devices.device_of(ops.convert_to_tensor(leaf)) for leaf in tree.flatten(value)]
+        placed = [engine.devices.copy_to(ops.convert_to_tensor(leaf), device)
+                  for leaf, device in zip(tree.flatten(result), devices)]
+        return tree.pack_sequence_as(result, placed)
 
     # --- initial values from the chief -------------------------------------------------------------
     def _any_worker_has(self, flag: bool) -> bool:

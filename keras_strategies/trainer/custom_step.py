@@ -13,7 +13,11 @@ batch (replicas without samples sit the step out). Inside it:
 - metrics updated with `self.compute_metrics(...)` accumulate over replicas,
   and the logs are read once all replicas are done.
 
-Replicas run eagerly, one at a time between collectives.
+Replicas run eagerly, one at a time between collectives. With several
+workers, each worker runs the step on its replicas' shards of the global
+batch; afterwards the metric states (summed deltas) and non-trainable values
+(mean) are combined across workers, so logs are global and every worker
+holds the same state.
 """
 
 from __future__ import annotations
@@ -21,13 +25,16 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 from keras.src import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_strategies import context, keras_state
 from keras_strategies.backend import engine
-from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
+from keras_strategies.input.splitting import split_batch
+from keras_strategies.trainer import cross_worker, worker_states
+from keras_strategies.trainer.replica_step import make_shards
 
 
 def overrides_step(model: Any, kind: str) -> bool:
@@ -44,18 +51,22 @@ class CustomStep:
         self.strategy = strategy
         self.devices = strategy.extended.worker_devices
 
-    def _run(self, kind: str, data: Any) -> tuple[list, list]:
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        batch = batch_size_of(x)
-        sizes = shard_sizes(batch, len(self.devices))
-        pieces = split_batch((x, y, sample_weight), sizes)
+    def _run(self, kind: str, data: Any) -> tuple[list, list, Any]:
+        shards = make_shards(self.strategy, data, len(self.devices), with_targets=kind != "predict")
+        sizes, batch = shards.sizes, shards.batch
+        pieces = split_batch(shards.local, sizes)
         active = [i for i, size in enumerate(sizes) if size > 0]
+        idle = not active
+        if idle:
+            # This worker has no rows of this batch, but its optimizer must still take part in the
+            # cross-worker all-reduce: one replica runs a zero row with gradient weight 0.
+            active, pieces = [0], [_zero_row(shards.local)]
         snapshot = keras_state.capture()
 
         def replica(k, *_):
             i = active[k]
             replica_context = context.ReplicaContext(
-                self.strategy, k, in_program=True, gradient_weight=sizes[i] / batch
+                self.strategy, k, in_program=True, gradient_weight=0.0 if idle else sizes[i] / batch
             )
             with keras_state.installed(snapshot), context.enter_frame(self.strategy, replica_context):
                 shard = data_adapter_utils.pack_x_y_sample_weight(*pieces[i]) if kind != "predict" else (pieces[i][0],)
@@ -64,7 +75,7 @@ class CustomStep:
         devices = [self.devices[i] for i in active]
         run = engine.replicas.make_replicated(replica, devices, compiled=False)
         results = run((), [() for _ in devices])
-        return [r[0] for r in results], [r[1] for r in results]
+        return [r[0] for r in results], [r[1] for r in results], (shards, idle)
 
     def _combine_states(self, kind: str, states: list) -> None:
         """Stateless steps (JAX) return one state per replica; it is combined and assigned."""
@@ -83,18 +94,36 @@ class CustomStep:
                     new = values[0]
                 variable.assign(new)
 
-    def train_step(self, data: Any) -> dict:
-        _, states = self._run("train", data)
-        self._combine_states("train", states)
+    def _step(self, kind: str, data: Any) -> dict:
+        across_workers = self.strategy.extended._num_workers > 1
+        before = worker_states.capture(self.model, kind) if across_workers else None
+        _, states, (_, idle) = self._run(kind, data)
+        self._combine_states(kind, states)
+        if across_workers:
+            worker_states.combine(self.model, kind, self.strategy.extended, before, idle)
         return self.model.get_metrics_result()
+
+    def train_step(self, data: Any) -> dict:
+        return self._step("train", data)
 
     def test_step(self, data: Any) -> dict:
-        _, states = self._run("test", data)
-        self._combine_states("test", states)
-        return self.model.get_metrics_result()
+        return self._step("test", data)
 
     def predict_step(self, data: Any) -> Any:
-        outputs, _ = self._run("predict", data)
+        outputs, _, (shards, idle) = self._run("predict", data)
         host = self.devices[0]
         on_host = [tree.map_structure(lambda t: engine.devices.copy_to(ops.convert_to_tensor(t), host), o) for o in outputs]
-        return tree.map_structure(lambda *parts: ops.concatenate(parts, axis=0), *on_host) if len(on_host) > 1 else on_host[0]
+        local = tree.map_structure(lambda *parts: ops.concatenate(parts, axis=0), *on_host) if len(on_host) > 1 else on_host[0]
+        if self.strategy.extended._num_workers == 1:
+            return local
+        # Every worker gets the predictions of the whole global batch.
+        buffers = cross_worker.place_rows(shards, [] if idle else [local], local)
+        flat = self.strategy.extended._cross_worker_sum(tree.flatten(buffers), "predictions all-gather")
+        return tree.pack_sequence_as(buffers, [engine.devices.copy_to(ops.convert_to_tensor(f), host) for f in flat])
+
+
+def _zero_row(structure: Any) -> tuple:
+    """A one-row batch of zeros shaped like `structure`'s rows (`None` entries stay `None`)."""
+    return tree.map_structure(
+        lambda leaf: None if leaf is None else np.zeros((1,) + np.shape(leaf)[1:], np.asarray(leaf).dtype), structure
+    )

@@ -95,6 +95,7 @@ class Shards:
             local = tree.map_structure(
                 lambda leaf: None if leaf is None else leaf[self.offset:self.offset + self.local_rows], local
             )
+        self.local = local  # this worker's rows, unpadded
         pieces = split_batch(local, self.sizes)
         self.per_replica = []
         for (x, y, weight), size, rows in zip(pieces, self.sizes, self.rows):
@@ -114,6 +115,18 @@ class Shards:
     def unpad(self, replica_id: int, structure: Any) -> Any:
         size = self.sizes[replica_id]
         return tree.map_structure(lambda leaf: leaf[:size], structure)
+
+
+def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool) -> Shards:
+    """This worker's shards of a global batch (of its own batch, with per-worker input)."""
+    extended = strategy.extended
+    worker_rows = None
+    if worker_sharding.active():  # per-worker input: the workers tell each other their batch sizes
+        rows = np.zeros((extended._num_workers,), "float32")
+        rows[extended._worker_index] = batch_size_of(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
+        (rows,) = extended._cross_worker_sum([rows], "batch sizes of per-worker input")
+        worker_rows = [int(round(float(r))) for r in ops.convert_to_numpy(rows)]
+    return Shards(data, num_local, with_targets, extended._num_workers, extended._worker_index, worker_rows)
 
 
 class ReplicaStep:
@@ -257,14 +270,7 @@ class ReplicaStep:
 
     # --- steps ----------------------------------------------------------------------------
     def _shards(self, data: Any, with_targets: bool) -> Shards:
-        extended = self.strategy.extended
-        worker_rows = None
-        if worker_sharding.active():  # per-worker input: the workers tell each other their batch sizes
-            rows = np.zeros((extended._num_workers,), "float32")
-            rows[extended._worker_index] = batch_size_of(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
-            (rows,) = extended._cross_worker_sum([rows], "batch sizes of per-worker input")
-            worker_rows = [int(round(float(r))) for r in ops.convert_to_numpy(rows)]
-        return Shards(data, len(self.devices), with_targets, extended._num_workers, extended._worker_index, worker_rows)
+        return make_shards(self.strategy, data, len(self.devices), with_targets)
 
     def train_step(self, data: Any) -> dict:
         model = self.model

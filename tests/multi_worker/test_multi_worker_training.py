@@ -16,7 +16,7 @@ import keras_strategies as ks
 from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
-from common import GLOBAL_BATCH, build_model, data, guide_loop  # noqa: E402
+from common import GLOBAL_BATCH, build_model, build_own_steps_model, data, guide_loop  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -39,7 +39,7 @@ def run(request, tmp_path_factory):
 
 def test_every_worker_holds_identical_weights(run):
     _, _, (first, second) = run
-    for key in ("fit_weights", "loop_weights", "shuffled_weights"):
+    for key in ("fit_weights", "loop_weights", "shuffled_weights", "own_weights"):
         for a, b in zip(_weights(first, key), _weights(second, key)):
             np.testing.assert_array_equal(a, b)
 
@@ -75,6 +75,23 @@ def test_custom_loop_equals_a_single_process_run(run):
         np.testing.assert_allclose(worker["loop_losses"], losses, **TOL)
         for got, expected in zip(_weights(worker, "loop_weights"), model.get_weights()):
             np.testing.assert_allclose(got, expected, **TOL)
+
+
+def test_models_with_their_own_steps_equal_a_single_process_run(run):
+    out, _, results = run
+    x, y = data()
+    model = build_own_steps_model()
+    model.set_weights(_load(out / "own_initial.npz"))
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    evaluate = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+    predict = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    for worker in results:
+        np.testing.assert_allclose(worker["own_loss"], history.history["loss"], **TOL)
+        np.testing.assert_allclose(worker["own_mae"], history.history["mae"], **TOL)
+        for got, expected in zip(_weights(worker, "own_weights"), model.get_weights()):
+            np.testing.assert_allclose(got, expected, **TOL)
+        np.testing.assert_allclose(worker["own_evaluate"], evaluate, **TOL)
+        np.testing.assert_allclose(worker["own_predict"], predict, **TOL)
 
 
 def test_collectives_span_every_replica_of_every_worker(run):

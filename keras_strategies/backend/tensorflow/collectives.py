@@ -95,6 +95,11 @@ def all_reduce_sum(values: list) -> list:
 def kv_set(key: str, value: str) -> None:
     from tensorflow.python.eager import context as tf_context
 
+    # TF's key-value store refuses to overwrite: replace the key.
+    try:
+        tf_context.context().delete_config_key_value(key)
+    except tf.errors.OpError:
+        pass
     tf_context.context().set_config_key_value(key, value)
 
 

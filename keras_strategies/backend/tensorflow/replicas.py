@@ -55,7 +55,7 @@ def all_gather(value: Any, axis: int) -> Any:
 def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     """`fn(values of every replica)` once, in TensorFlow's cross-replica context."""
     context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    if context is None or not tf.distribute.has_strategy():
         return fn([value])
 
     def merge_fn(strategy, value):

@@ -24,6 +24,34 @@ def build_model():
     return model
 
 
+class OwnSteps(keras.Model):
+    """Overrides every step and defers to Keras' own (the signature differs per backend)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-3))
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, *args):
+        return super().train_step(*args)
+
+    def test_step(self, *args):
+        return super().test_step(*args)
+
+    def predict_step(self, *args):
+        return super().predict_step(*args)
+
+
+def build_own_steps_model():
+    model = OwnSteps()
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05, clipnorm=1.0), metrics=["mae"])
+    model(np.zeros((1, 5), "float32"))
+    return model
+
+
 def global_batch_sizes(n=N, batch=GLOBAL_BATCH):
     return [batch] * (n // batch) + ([n % batch] if n % batch else [])
 

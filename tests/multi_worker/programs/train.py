@@ -19,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import GLOBAL_BATCH, build_model, data, guide_loop  # noqa: E402
+from common import GLOBAL_BATCH, build_model, build_own_steps_model, data, guide_loop  # noqa: E402
 
 out = sys.argv[1]
 task_id = strategy.cluster_resolver.task_id
@@ -49,6 +49,18 @@ if strategy.extended.should_checkpoint:
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 results["loop_losses"] = guide_loop(strategy, loop_model, optimizer, dataset, ks)
 results["loop_weights"] = loop_model.get_weights()
+
+# A model with its own train_step / test_step / predict_step (run per replica).
+with strategy.scope():
+    own = build_own_steps_model()
+if strategy.extended.should_checkpoint:
+    np.savez(os.path.join(out, "own_initial.npz"), *own.get_weights())
+history = own.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+results["own_loss"] = history.history["loss"]
+results["own_mae"] = history.history["mae"]
+results["own_weights"] = own.get_weights()
+results["own_evaluate"] = own.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+results["own_predict"] = own.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
 
 # Collectives from strategy.run: all_reduce and gather over every replica of every worker.
 def replica_fn():
