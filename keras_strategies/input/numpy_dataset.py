@@ -24,6 +24,7 @@ class NumpyDataset:
         self._length = sizes.pop()
         self._batch_size, self._drop_remainder = batch_size, drop_remainder
         self._repeat, self._shuffle_seed = repeat, shuffle_seed
+        self._iterations = 0  # each new iteration reshuffles (as tf.data's reshuffle_each_iteration)
 
     def _with(self, **changes) -> "NumpyDataset":
         settings = dict(batch_size=self._batch_size, drop_remainder=self._drop_remainder,
@@ -41,11 +42,18 @@ class NumpyDataset:
         return self._with(repeat=count)
 
     def shuffle(self, buffer_size: int = 0, seed: Optional[int] = None) -> "NumpyDataset":
-        """Reshuffles the rows at every pass (the whole dataset is the buffer)."""
+        """Reshuffles the rows at every pass and every new iteration (the whole dataset is the buffer).
+
+        The orders are a deterministic sequence for a given `seed` (`None`: 0), so every
+        worker of a multi-worker job reads the same batches.
+        """
         return self._with(shuffle_seed=0 if seed is None else seed)
 
     def __iter__(self) -> Iterator[Any]:
-        rng = np.random.default_rng(self._shuffle_seed) if self._shuffle_seed is not None else None
+        rng = None
+        if self._shuffle_seed is not None:
+            rng = np.random.default_rng([self._shuffle_seed, self._iterations])
+            self._iterations += 1
         passes = 0
         while self._repeat is None or passes < self._repeat:
             order = rng.permutation(self._length) if rng is not None else np.arange(self._length)

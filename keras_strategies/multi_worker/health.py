@@ -151,7 +151,7 @@ class HealthMonitor:
             )
             # The collective may fail by itself (then the caller raises `error`); if it stays
             # blocked inside the backend, end this worker so that it never hangs.
-            if self._stop.wait(EXIT_GRACE + self._dead_after + 2 * self._interval) or self._in_flight_since is None:
+            if self._stop.wait(EXIT_GRACE) or self._in_flight_since is None:
                 continue
             sys.stderr.write(f"keras_strategies: LostWorkerError: {self.error}\n")
             sys.stderr.flush()

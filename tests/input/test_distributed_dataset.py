@@ -103,6 +103,14 @@ def test_numpy_dataset_transformations():
     assert sorted(int(v) for v in dataset.shuffle(5, seed=1)) == [0, 1, 2, 3, 4]
 
 
+def test_numpy_dataset_reshuffles_at_every_iteration_deterministically():
+    dataset = ks.get_strategy().make_experimental_numpy_dataset(np.arange(20)).shuffle(20, seed=3)
+    first, second = [int(v) for v in dataset], [int(v) for v in dataset]
+    assert sorted(first) == sorted(second) == list(range(20)) and first != second
+    again = ks.get_strategy().make_experimental_numpy_dataset(np.arange(20)).shuffle(20, seed=3)
+    assert [int(v) for v in again] == first  # the same seed gives every worker the same orders
+
+
 if keras.backend.backend() == "tensorflow":
 
     def test_tf_data_rebatching_matches_the_documented_partial_batches():

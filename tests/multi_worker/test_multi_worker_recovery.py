@@ -66,6 +66,28 @@ def test_a_killed_worker_fails_the_chief_within_the_timeout_naming_it(crash):
     assert "DONE" not in crash["chief_out"]
 
 
+def test_a_hung_worker_fails_the_chief_after_timeout_seconds_naming_it(tmp_path):
+    chief, worker = _start_workers(tmp_path, "hang")
+    try:
+        started = None
+        for line in worker.stdout:
+            if "HANGING worker 1" in line:
+                started = time.monotonic()
+                break
+        assert started is not None, worker.communicate(timeout=5)
+        _, chief_err = chief.communicate(timeout=120)
+        seconds = time.monotonic() - started
+    finally:
+        for process in (chief, worker):
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+    assert chief.returncode not in (0, None)
+    assert 20 <= seconds < 20 + 20, seconds  # timeout_seconds=20 in the program, plus the step and the grace
+    message = chief_err.split("LostWorkerError")[-1]
+    assert "worker 1 (127.0.0.1:" in message and "did not join it within timeout_seconds=20" in message, chief_err[-3000:]
+
+
 @pytest.fixture(scope="module")
 def resumed(crash):
     out = crash["out"]

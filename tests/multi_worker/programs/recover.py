@@ -1,17 +1,20 @@
 """A worker of a run with BackupAndRestore, ModelCheckpoint, TensorBoard and `model.save`.
 
 `crash` phase: worker 1 kills itself (SIGKILL) in the middle of epoch 2; the
-chief must fail with `ks.LostWorkerError`. `resume` phase: all workers start
+chief must fail with `ks.LostWorkerError`. `hang` phase: worker 1 hangs
+instead (its heartbeats go on); the chief must fail after `timeout_seconds`. `resume` phase: all workers start
 again, resume from the chief's backup and finish; the chief alone writes.
 """
 
 import os
 import signal
 import sys
+import time
 
 import keras_strategies as ks
 
-strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=30))
+TIMEOUT = 20 if sys.argv[2] == "hang" else 30
+strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=TIMEOUT))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -20,6 +23,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import GLOBAL_BATCH, build_model, data  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
+if phase == "hang":
+    out = os.path.join(out, "hang")
+    os.makedirs(out, exist_ok=True)
 task_id = strategy.cluster_resolver.task_id
 keras.utils.set_random_seed(100 + task_id)
 x, y = data()
@@ -31,11 +37,16 @@ if phase == "crash" and strategy.extended.should_checkpoint:
 
 
 class KillMe(keras.callbacks.Callback):
+    """Worker 1 dies (`crash`) or hangs forever (`hang`) in the middle of epoch 2."""
+
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch == 1 and batch == 1:
+            if phase == "hang":
+                print(f"HANGING worker {task_id}", flush=True)
+                time.sleep(3600)
             print(f"KILLING worker {task_id}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -45,7 +56,7 @@ callbacks = [
     keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt", "model_{epoch}.keras")),
     keras.callbacks.TensorBoard(os.path.join(out, "tb")),
 ]
-if phase == "crash" and task_id == 1:
+if phase in ("crash", "hang") and task_id == 1:
     callbacks.append(KillMe())
 model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=2, callbacks=callbacks)
 model.save(os.path.join(out, "final.keras"))
