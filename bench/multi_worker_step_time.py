@@ -23,7 +23,8 @@ batch 256, so 128 rows per worker). Per backend it measures:
    Every step of every mode ends with the global loss and accuracy on the host,
    as Keras' logs do (the TF and torch loops all-reduce [loss, correct] for it).
 2. All-reduce throughput (in the "ks" jobs, after fit) for ~1 MB and ~16 MB of
-   float32 split into 10 tensors (5 "kernels" + 5 "biases", like gradients):
+   float32 split into 10 tensors (5 "kernels" + 5 "biases", like gradients),
+   plus ~4 KB for the fixed cost of one collective:
    ours = `strategy.extended._cross_worker_sum(tensors, "bench")`, raw = the
    engine's bare collective on one pre-flattened buffer already in place:
    - TensorFlow: a `tf.function` running one `tf.raw_ops.CollectiveReduceV2`,
@@ -32,11 +33,19 @@ batch 256, so 128 rows per worker). Per backend it measures:
    - PyTorch: `torch.distributed.all_reduce` (gloo) of one flat tensor.
    Ours and raw alternate in blocks, the same sequence on both workers.
    Reported: median ms per all-reduce, the payload rate (MB of payload / s) and
-   the ratio ours_rate / raw_rate (target >= 0.9).
+   the ratio ours_rate / raw_rate (target >= 0.9). Also: ours on ~1 MB float32
+   plus 256 targets as float32 vs as int32 (the engines run one collective per
+   dtype, and a train step's exchange carries int32 targets).
+3. Where ks's train step spends its time (`--breakdown`, one more epoch after
+   the timed ones): forward + backward, the cross-worker exchange and the
+   collective inside it (also the smaller of the two workers' times, step by
+   step: the worker that arrives last waits least), optimizer, metrics.
 
 Each job is one `launch(...)` of this script with `--job`; each worker prints
 one `BENCH-RESULT {json}` line, the parent reads worker 0's (and worker 1's step
-time as a cross-check) and prints Markdown tables.
+time and collective times as cross-checks) and prints Markdown tables. Jobs
+alternate ks / native (order swapped on every repeat); ratios pair the runs
+made back to back.
 
 Timing: `model.fit` is timed with a Keras callback (`on_train_batch_begin` /
 `on_train_batch_end`; defining `on_train_batch_end` makes Keras convert the
@@ -46,7 +55,7 @@ Intra-op threads are capped at 1 per process (`--threads`), as in
 `bench/mirrored_step_time.py`: 2 processes on 2 cores.
 
 Usage:
-    python bench/multi_worker_step_time.py                       # all backends (~3-5 min)
+    python bench/multi_worker_step_time.py                       # all backends (about 2 min)
     python bench/multi_worker_step_time.py --quick               # fewer steps / iterations
     python bench/multi_worker_step_time.py --backends torch,jax --repeats 2
     python bench/multi_worker_step_time.py --source /tmp/ks_snapshot   # a frozen copy of the package
@@ -113,8 +122,8 @@ def _local_rows(index: int, x, y):
     return xl, yl
 
 
-def _summary(step_s: list, epochs_steps: list, first_epoch_s: list) -> dict:
-    """Median etc. of measured step times (seconds) -> ms."""
+def _summary(step_s: list, cycles_ms: list, first_epoch_s: list) -> dict:
+    """Median etc. of the measured step times (seconds) in ms."""
     import numpy as np
 
     ms = [1e3 * s for s in step_s]
@@ -122,7 +131,7 @@ def _summary(step_s: list, epochs_steps: list, first_epoch_s: list) -> dict:
         "median_ms": statistics.median(ms),
         "p10_ms": float(np.percentile(ms, 10)),
         "p90_ms": float(np.percentile(ms, 90)),
-        "cycle_median_ms": statistics.median(epochs_steps) if epochs_steps else None,
+        "cycle_median_ms": statistics.median(cycles_ms) if cycles_ms else None,
         "first_step_ms": 1e3 * first_epoch_s[0] if first_epoch_s else None,
         "measured_steps": len(ms),
     }
@@ -323,12 +332,14 @@ def _native_tensorflow(args, index: int, x, y) -> tuple[dict, str]:
 def _native_jax(args, index: int, addresses: list, x, y) -> tuple[dict, str]:
     import jax
 
-    # Keras' initialize does not choose CPU collectives; without gloo, cross-process
-    # computations on CPU fail.
+    # Keras' initialize() does not choose the CPU collectives; jax 0.10 uses gloo on CPU by
+    # default (checked: DataParallel fit works without this line), set here as ks does.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     import keras
 
-    keras.utils.set_random_seed(0)  # else initialize() agrees on a seed with a pmap psum
+    # The same seed (so the same initial weights) as the ks run; without a seed, initialize()
+    # makes the processes agree on a random one with a pmap psum.
+    keras.utils.set_random_seed(0)
     keras.distribution.initialize(job_addresses=",".join(addresses), num_processes=WORKERS, process_id=index)
     devices = keras.distribution.list_devices()
     # NumPy input must come pre-sharded: each process passes its own rows (Keras refuses
@@ -469,6 +480,77 @@ def _raw(backend: str, total: int):
     return lambda: dist.all_reduce(flat)
 
 
+def _packed(backend: str, arrays: list):
+    """A bare list-in, list-out all-reduce: one concatenation, the raw collective, one split (no ks code).
+
+    What `_cross_worker_sum` has to do at least: the floor for "ours" on the
+    same list of tensors. On JAX everything stays on the device (a jitted
+    concatenation, the global array assembled from the local one, a jitted sum
+    and split with replicated outputs).
+    """
+    import numpy as np
+
+    shapes = [a.shape for a in arrays]
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    total = sum(sizes)
+    tensors = _backend_tensors(backend, arrays)
+    if backend == "tensorflow":
+        import tensorflow as tf
+        from keras_strategies.backend.tensorflow import collectives
+
+        device = collectives._state["device"]
+        instance_key = 7_000_000 + len(_TF_INSTANCE_KEYS)
+        _TF_INSTANCE_KEYS.append(instance_key)
+
+        @tf.function
+        def packed_fn(ts):
+            with tf.device(device):
+                flat = tf.concat([tf.reshape(t, [-1]) for t in ts], 0)
+                summed = tf.raw_ops.CollectiveReduceV2(
+                    input=flat, group_size=WORKERS, group_key=7_000_000, instance_key=instance_key,
+                    ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
+                )
+                return [tf.reshape(p, shape) for p, shape in zip(tf.split(summed, sizes), shapes)]
+
+        return lambda: packed_fn(tensors)
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        first = {}
+        for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+            first.setdefault(d.process_index, d)
+        mesh = Mesh(np.array([first[i] for i in sorted(first)]), ("workers",))
+        split = NamedSharding(mesh, P("workers"))
+        tensors = [jax.device_put(t, first[jax.process_index()]) for t in tensors]
+        pack = jax.jit(lambda ts: jnp.concatenate([jnp.ravel(t) for t in ts])[None])
+        offsets = np.cumsum([0] + sizes)
+
+        def total_and_split(stacked):
+            summed = jnp.sum(stacked, axis=0)
+            return [summed[offsets[i]:offsets[i + 1]].reshape(shape) for i, shape in enumerate(shapes)]
+
+        program = jax.jit(total_and_split, out_shardings=NamedSharding(mesh, P()))
+
+        def run():
+            stacked = jax.make_array_from_single_device_arrays((len(first), total), split, [pack(tensors)])
+            return jax.block_until_ready([out.addressable_data(0) for out in program(stacked)])
+
+        return run
+    import torch.distributed as dist
+
+    def run():
+        import torch
+
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        return [p.view(shape) for p, shape in zip(flat.split(sizes), shapes)]
+
+    return run
+
+
 def _interleaved(fns: dict, iters: int, blocks: int) -> dict:
     """Seconds per call of each function: 3 warm-up calls each, then alternating blocks (same order on every worker)."""
     for fn in fns.values():
@@ -494,12 +576,13 @@ def _all_reduce_bench(backend: str, strategy, iters: int, blocks: int) -> tuple[
         shapes = _payload_shapes(megabytes)
         total = sum(int(np.prod(s)) for s in shapes)
         nbytes = 4 * total
+        arrays = [np.zeros(s, "float32") for s in shapes]
         times = _interleaved(
-            {"ours": _ours(backend, strategy, [np.zeros(s, "float32") for s in shapes]), "raw": _raw(backend, total)},
+            {"ours": _ours(backend, strategy, arrays), "raw": _raw(backend, total), "packed": _packed(backend, arrays)},
             iters, blocks,
         )
         row = {"payload_mb": nbytes / 2**20, "tensors": len(shapes), "iterations": len(times["ours"])}
-        for name in ("ours", "raw"):
+        for name in ("ours", "raw", "packed"):
             ms = statistics.median(times[name]) * 1e3
             row[f"{name}_ms"] = ms
             row[f"{name}_p10_ms"] = float(np.percentile(times[name], 10) * 1e3)
@@ -638,7 +721,8 @@ def run_parent(args) -> int:
                 print(f"[{time.perf_counter() - t0:6.1f}s] {backend:<10} {mode:<6} {status}", file=sys.stderr, flush=True)
                 for row in result.get("allreduce", []):
                     print(f"          all-reduce {row['payload_mb']:.4f} MB: ours {row['ours_ms']:.3f} ms (p10 {row['ours_p10_ms']:.3f}), "
-                          f"raw {row['raw_ms']:.3f} ms (p10 {row['raw_p10_ms']:.3f})", file=sys.stderr, flush=True)
+                          f"raw {row['raw_ms']:.3f} ms (p10 {row['raw_p10_ms']:.3f}), packed {row['packed_ms']:.3f} ms",
+                          file=sys.stderr, flush=True)
 
     errors = []
     step_lines = [
@@ -656,8 +740,9 @@ def run_parent(args) -> int:
         "|---|---:|---:|---:|",
     ]
     reduce_lines = [
-        "| backend | payload | ours ms | ours MB/s | raw engine | raw ms | raw MB/s | ratio ours/raw (rate) | target |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---|",
+        "| backend | payload | ours ms | ours MB/s | raw engine | raw ms | raw MB/s | ratio ours/raw (rate) | target "
+        "| packed ms (concat + raw + split) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|",
     ]
     for backend in backends:
         ours_runs = [r for r in runs[(backend, "ks")] if "error" not in r]
@@ -706,7 +791,8 @@ def run_parent(args) -> int:
                 else "— (latency)"
             reduce_lines.append(
                 f"| {backend} | {size} in {rows[0]['tensors']} tensors | {o_ms:.3f} | {payload / o_ms * 1e3:.0f} | "
-                f"{RAW_NAMES[backend]} | {r_ms:.3f} | {payload / r_ms * 1e3:.0f} | {rr:.2f}{spread} | {target} |"
+                f"{RAW_NAMES[backend]} | {r_ms:.3f} | {payload / r_ms * 1e3:.0f} | {rr:.2f}{spread} | {target} | "
+                f"{_fmt(_median(row.get('packed_ms') for row in rows), '.3f')} |"
             )
 
     breakdown_lines = [

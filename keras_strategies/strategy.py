@@ -342,9 +342,11 @@ class Strategy:
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """Calls `value_fn(ValueContext)` once per replica and returns the values as `PerReplica`."""
         values = []
-        for replica_id, device in enumerate(self._extended.worker_devices):
+        devices = self._extended.worker_devices
+        first = self._extended._worker_index * len(devices)  # this worker's replicas are consecutive
+        for replica_id, device in enumerate(devices):
             with engine.devices.device_scope(device):
-                values.append(value_fn(ValueContext(replica_id, self.num_replicas_in_sync)))
+                values.append(value_fn(ValueContext(first + replica_id, self.num_replicas_in_sync)))
         return values[0] if len(values) == 1 else PerReplica(values)
 
     def group(self, value: Any, name: Optional[str] = None) -> Any:

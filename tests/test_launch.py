@@ -324,7 +324,7 @@ def _stop_launcher(launcher, job, sig, tasks=("worker-0", "worker-1")):
     try:
         job.wait_for_files([f"{task}.{kind}" for task in tasks for kind in ("ready", "grandchild")])
         launcher.send_signal(sig)
-        out, err = launcher.communicate(timeout=20)
+        out, err = launcher.communicate(timeout=60)  # generous: CI machines may be loaded
         return launcher.returncode, out, err
     finally:
         if launcher.poll() is None:

@@ -61,6 +61,14 @@ def test_fit_evaluate_predict_equal_a_single_process_run(run):
         np.testing.assert_allclose(worker["predict"], predict, **TOL)
 
 
+def test_evaluate_on_a_py_dataset_equals_evaluate_on_arrays(run):
+    # Same weights (after the 2 unshuffled epochs), same global batches: the arrays' result is
+    # checked against a single process above.
+    _, _, results = run
+    for worker in results:
+        np.testing.assert_allclose(worker["evaluate_py_dataset"], worker["evaluate"], **TOL)
+
+
 def test_custom_loop_equals_a_single_process_run(run):
     out, _, results = run
     import keras
@@ -101,3 +109,4 @@ def test_collectives_span_every_replica_of_every_worker(run):
         assert int(worker["num_replicas"]) == replicas
         np.testing.assert_allclose(worker["all_reduce"], [replicas * (replicas + 1) / 2] * 2)
         np.testing.assert_allclose(worker["gather"], np.arange(replicas, dtype="float32"))
+        np.testing.assert_allclose(worker["value_ids"], np.arange(replicas, dtype="float32"))

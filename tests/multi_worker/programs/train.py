@@ -70,6 +70,21 @@ def replica_fn():
 results["all_reduce"] = ops.convert_to_numpy(strategy.experimental_local_results(strategy.run(replica_fn))[0])
 ids = strategy.run(lambda: ops.reshape(ops.cast(ks.get_replica_context().replica_id_in_sync_group, "float32"), (1,)))
 results["gather"] = ops.convert_to_numpy(strategy.gather(ids, axis=0))
+values = strategy.experimental_distribute_values_from_function(
+    lambda ctx: np.array([ctx.replica_id_in_sync_group], "float32"))
+results["value_ids"] = ops.convert_to_numpy(strategy.gather(values, axis=0))
+
+
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return -(-len(x) // GLOBAL_BATCH)
+
+    def __getitem__(self, index):
+        rows = slice(index * GLOBAL_BATCH, (index + 1) * GLOBAL_BATCH)
+        return x[rows], y[rows]
+
+
+results["evaluate_py_dataset"] = model.evaluate(Batches(), verbose=0)
 
 # fit with shuffle=True: NumPy shuffling is seeded from the chief, so every worker slices the same batches.
 model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=True, verbose=0)
