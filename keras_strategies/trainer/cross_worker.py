@@ -116,7 +116,14 @@ class Exchange:
 
     def run(self, what: str) -> dict:
         flat = [value for _, values in self._parts for value in values]
-        summed = self._sum(flat, what)
+        # Small integers (class labels) travel as float32, exactly, so that a step needs one
+        # collective rather than one per dtype.
+        as_float = [isinstance(v, np.ndarray) and v.dtype.kind in "iub" and (v.size == 0 or np.abs(v).max() < 2**24)
+                    for v in flat]
+        sent = [v.astype("float32") if cast else v for v, cast in zip(flat, as_float)]
+        summed = self._sum(sent, what)
+        summed = [np.rint(_numpy(v)).astype(original.dtype) if cast else v
+                  for v, original, cast in zip(summed, flat, as_float)]
         result, start = {}, 0
         for name, values in self._parts:
             result[name] = summed[start:start + len(values)]
