@@ -23,6 +23,7 @@ from keras_strategies.backend import engine
 from keras_strategies.cluster_resolver import TFConfigClusterResolver
 from keras_strategies.devices import default_compute_devices
 from keras_strategies.mirrored import MirroredExtended
+from keras_strategies.multi_worker import chief_only
 from keras_strategies.multi_worker.cluster import WorkerCluster, resolve
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.multi_worker.health import HealthMonitor
@@ -45,6 +46,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         self._monitor: Optional[HealthMonitor] = None
         self._synced: dict = {}  # id(variable) -> weakref, for variables broadcast from the chief
         if cluster.num_workers > 1:
+            chief_only.tolerate_concurrent_makedirs()
             self._monitor = HealthMonitor(
                 cluster, engine.collectives.kv_set, engine.collectives.kv_try_get, options.effective_timeout
             )
@@ -113,7 +115,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             return value
         array = _to_numpy(value)
         workers, me = self._cluster.num_workers, self._cluster.worker_index
-        sizes = np.zeros((workers,), "float64")
+        sizes = np.zeros((workers,), "float32")
         sizes[me] = array.shape[axis]
         array = np.moveaxis(array, axis, 0)
         sizes, = self._cross_worker_sum([sizes], "all-gather sizes")

@@ -308,6 +308,13 @@ def test_timeout_stops_a_hanging_job(job):
     _assert_all_gone(job)
 
 
+def _default_stop_signals():
+    # A test run started in the background (`make test &`) ignores SIGINT, and the launcher
+    # rightly keeps an ignored signal ignored (as under nohup): give it the default handling.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _start_launcher(command):
     return subprocess.Popen(
         command,
@@ -316,6 +323,7 @@ def _start_launcher(command):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_default_stop_signals,
     )
 
 

@@ -1,7 +1,7 @@
 """Pieces of the local multi-worker launcher (`python -m keras_strategies.launch`).
 
-Standard library only, and no Keras/backend imports, so the launcher itself
-starts fast and works the same whatever backend the workers use:
+Standard library only (no Keras/backend imports of its own), so it works the
+same whatever backend the workers use:
 
 - `cluster`: free loopback ports and the per-worker `TF_CONFIG`.
 - `processes`: one worker process group with line-prefixed output.

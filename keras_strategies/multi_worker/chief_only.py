@@ -103,6 +103,32 @@ def _wrap_save(original: Callable) -> Callable:
     return save
 
 
+def tolerate_concurrent_makedirs() -> None:
+    """Makes Keras' `file_utils.makedirs` accept a directory another worker just created.
+
+    Keras checks `exists(dir)` and then creates it; a non-chief creating
+    `dir/workertemp_<id>` in between made the chief's `ModelCheckpoint` fail
+    with `FileExistsError`. Installed only when a multi-worker cluster is joined.
+    """
+    from keras.src.utils import file_utils
+
+    original = file_utils.makedirs
+    if hasattr(original, "_ks_original"):
+        return
+
+    @functools.wraps(original)
+    def makedirs(path):
+        try:
+            return original(path)
+        except FileExistsError:
+            if os.path.isdir(path):
+                return None
+            raise
+
+    makedirs._ks_original = original
+    file_utils.makedirs = makedirs
+
+
 def install() -> None:
     """Installs the `Model.save` / `save_weights` hooks (idempotent)."""
     for name in ("save", "save_weights"):

@@ -195,3 +195,14 @@ def test_a_peer_that_left_after_completing_the_collective_is_not_an_error():
         monitor.end()
     finally:
         monitor.stop()
+
+
+def test_keras_makedirs_tolerates_a_directory_another_worker_just_created(tmp_path):
+    from keras.src.utils import file_utils
+
+    chief_only.tolerate_concurrent_makedirs()
+    file_utils.makedirs(str(tmp_path / "ckpt"))
+    file_utils.makedirs(str(tmp_path / "ckpt"))  # created meanwhile by a non-chief's workertemp dir
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        file_utils.makedirs(str(tmp_path / "file"))
