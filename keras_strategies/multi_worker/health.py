@@ -170,4 +170,7 @@ class HealthMonitor:
             os._exit(1)
 
     def stop(self) -> None:
+        """Stops the threads and the exit handler (the process goes on normally)."""
         self._stop.set()
+        self._failed_exit = False
+        atexit.unregister(self._at_exit)
