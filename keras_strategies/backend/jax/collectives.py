@@ -18,6 +18,8 @@ from jax._src import distributed, xla_bridge
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from keras_strategies.multi_worker import packing
+
 _state: dict = {}
 
 
@@ -80,19 +82,12 @@ def all_reduce_sum(values: list) -> list:
             "Cross-worker collectives cannot run inside a compiled JAX function: call them "
             "eagerly (a custom training loop on JAX runs `strategy.run` eagerly)."
         )
-    arrays = [np.asarray(v) for v in values]
-    outputs: list = [None] * len(arrays)
-    by_dtype: dict = {}
-    for i, array in enumerate(arrays):
-        by_dtype.setdefault(array.dtype, []).append(i)
-    for indices in by_dtype.values():
-        total = _all_reduce_flat(np.concatenate([arrays[i].reshape(-1) for i in indices]))
-        offset = 0
-        for i in indices:
-            n = arrays[i].size
-            outputs[i] = jnp.asarray(total[offset:offset + n].reshape(arrays[i].shape))
-            offset += n
-    return outputs
+    return packing.packed_sum(
+        [np.asarray(v) for v in values],
+        lambda arrays: np.concatenate([a.reshape(-1) for a in arrays]),
+        _all_reduce_flat,
+        lambda piece, like: jnp.asarray(piece.reshape(like.shape)),
+    )
 
 
 def kv_set(key: str, value: str) -> None:

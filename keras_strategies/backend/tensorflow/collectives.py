@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from keras_strategies.multi_worker import packing
+
 _state: dict = {}
 
 
@@ -62,10 +64,7 @@ def _packed_all_reduce(tensors: list) -> list:
 
     launcher, bytes_per_pack = _state["launcher"], _state["bytes_per_pack"]
     outputs: list = [None] * len(tensors)
-    by_dtype: dict = {}
-    for i, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(i)
-    for indices in by_dtype.values():
+    for indices in packing.group_by_dtype(tensors):
         group = [tensors[i] for i in indices]
         packs = cross_device_utils.group_by_size(group, bytes_per_pack) if bytes_per_pack else [group]
         reduced = launcher.batch_all_reduce(packs)

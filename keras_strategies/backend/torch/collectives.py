@@ -12,6 +12,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from keras_strategies.multi_worker import packing
+
 _state: dict = {}
 
 
@@ -43,22 +45,19 @@ def tracing() -> bool:
     return False
 
 
+def _all_reduce_flat(flat: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    return flat
+
+
 def all_reduce_sum(values: list) -> list:
     """Element-wise sums of `values` over all workers: one gloo all-reduce per dtype."""
-    tensors = [torch.as_tensor(v) for v in values]
-    outputs: list = [None] * len(tensors)
-    by_dtype: dict = {}
-    for i, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(i)
-    for indices in by_dtype.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in indices])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for i in indices:
-            n = tensors[i].numel()
-            outputs[i] = flat[offset:offset + n].reshape(tensors[i].shape).to(tensors[i].device)
-            offset += n
-    return outputs
+    return packing.packed_sum(
+        [torch.as_tensor(v) for v in values],
+        lambda tensors: torch.cat([t.detach().reshape(-1).cpu() for t in tensors]),
+        _all_reduce_flat,
+        lambda piece, like: piece.reshape(like.shape).to(like.device),
+    )
 
 
 def kv_set(key: str, value: str) -> None:
