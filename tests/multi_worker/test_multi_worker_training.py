@@ -16,7 +16,7 @@ import keras_strategies as ks
 from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
-from common import GLOBAL_BATCH, build_model, build_own_steps_model, data, guide_loop  # noqa: E402
+from common import GLOBAL_BATCH, build_model, build_own_steps_model, data, guide_loop, keras_run  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -44,21 +44,18 @@ def test_every_worker_holds_identical_weights(run):
             np.testing.assert_array_equal(a, b)
 
 
-def test_fit_evaluate_predict_equal_a_single_process_run(run):
+@pytest.mark.parametrize("name, build", [("fit", build_model), ("own", build_own_steps_model)],
+                         ids=["Keras steps", "model's own steps"])
+def test_fit_evaluate_predict_equal_a_single_process_run(run, name, build):
     out, _, results = run
-    x, y = data()
-    model = build_model()
-    model.set_weights(_load(out / "initial.npz"))
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
-    evaluate = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
-    predict = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    model = build()
+    model.set_weights(_load(out / f"{name}_initial.npz"))
+    expected = keras_run(model, *data())
     for worker in results:
-        np.testing.assert_allclose(worker["fit_loss"], history.history["loss"], **TOL)
-        np.testing.assert_allclose(worker["fit_mae"], history.history["mae"], **TOL)
-        for got, expected in zip(_weights(worker, "fit_weights"), model.get_weights()):
-            np.testing.assert_allclose(got, expected, **TOL)
-        np.testing.assert_allclose(worker["evaluate"], evaluate, **TOL)
-        np.testing.assert_allclose(worker["predict"], predict, **TOL)
+        for key in ("loss", "mae", "evaluate", "predict"):
+            np.testing.assert_allclose(worker[f"{name}_{key}"], expected[key], err_msg=key, **TOL)
+        for got, weights in zip(_weights(worker, f"{name}_weights"), expected["weights"]):
+            np.testing.assert_allclose(got, weights, **TOL)
 
 
 def test_evaluate_on_a_py_dataset_equals_evaluate_on_arrays(run):
@@ -66,7 +63,7 @@ def test_evaluate_on_a_py_dataset_equals_evaluate_on_arrays(run):
     # checked against a single process above.
     _, _, results = run
     for worker in results:
-        np.testing.assert_allclose(worker["evaluate_py_dataset"], worker["evaluate"], **TOL)
+        np.testing.assert_allclose(worker["evaluate_py_dataset"], worker["fit_evaluate"], **TOL)
 
 
 def test_custom_loop_equals_a_single_process_run(run):
@@ -83,23 +80,6 @@ def test_custom_loop_equals_a_single_process_run(run):
         np.testing.assert_allclose(worker["loop_losses"], losses, **TOL)
         for got, expected in zip(_weights(worker, "loop_weights"), model.get_weights()):
             np.testing.assert_allclose(got, expected, **TOL)
-
-
-def test_models_with_their_own_steps_equal_a_single_process_run(run):
-    out, _, results = run
-    x, y = data()
-    model = build_own_steps_model()
-    model.set_weights(_load(out / "own_initial.npz"))
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
-    evaluate = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
-    predict = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
-    for worker in results:
-        np.testing.assert_allclose(worker["own_loss"], history.history["loss"], **TOL)
-        np.testing.assert_allclose(worker["own_mae"], history.history["mae"], **TOL)
-        for got, expected in zip(_weights(worker, "own_weights"), model.get_weights()):
-            np.testing.assert_allclose(got, expected, **TOL)
-        np.testing.assert_allclose(worker["own_evaluate"], evaluate, **TOL)
-        np.testing.assert_allclose(worker["own_predict"], predict, **TOL)
 
 
 def test_collectives_span_every_replica_of_every_worker(run):

@@ -52,6 +52,18 @@ def build_own_steps_model():
     return model
 
 
+def keras_run(model, x, y):
+    """`fit` (2 unshuffled epochs) / `evaluate` / `predict`: what the tests compare with one process."""
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return {
+        "loss": history.history["loss"],
+        "mae": history.history["mae"],
+        "weights": model.get_weights(),
+        "evaluate": model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+        "predict": model.predict(x, batch_size=GLOBAL_BATCH, verbose=0),
+    }
+
+
 def global_batch_sizes(n=N, batch=GLOBAL_BATCH):
     return [batch] * (n // batch) + ([n % batch] if n % batch else [])
 

@@ -2,7 +2,7 @@
 
 Each worker starts from different random weights (the chief's must win) and
 writes its results to `<out>/worker_<task id>.npz`; the chief also writes the
-initial weights, from which the test computes the single-process reference.
+initial weights of each model, from which the test computes the single-process reference.
 """
 
 import json
@@ -19,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import GLOBAL_BATCH, build_model, build_own_steps_model, data, guide_loop  # noqa: E402
+from common import GLOBAL_BATCH, build_model, build_own_steps_model, data, guide_loop, keras_run  # noqa: E402
 
 out = sys.argv[1]
 task_id = strategy.cluster_resolver.task_id
@@ -27,18 +27,21 @@ keras.utils.set_random_seed(100 + task_id)
 x, y = data()
 results = {"num_replicas": strategy.num_replicas_in_sync}
 
-with strategy.scope():
-    model = build_model()
-if strategy.extended.should_checkpoint:
-    np.savez(os.path.join(out, "initial.npz"), *model.get_weights())
+
+
+def run_keras(name, build):
+    """Builds a model in scope (the chief saves its initial weights) and runs `keras_run` on it."""
+    with strategy.scope():
+        model = build()
+    if strategy.extended.should_checkpoint:
+        np.savez(os.path.join(out, f"{name}_initial.npz"), *model.get_weights())
+    for key, value in keras_run(model, x, y).items():
+        results[f"{name}_{key}"] = value
+    return model
+
 
 # Keras fit / evaluate / predict on NumPy arrays (the last global batch is partial).
-history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
-results["fit_loss"] = history.history["loss"]
-results["fit_mae"] = history.history["mae"]
-results["fit_weights"] = model.get_weights()
-results["evaluate"] = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
-results["predict"] = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+model = run_keras("fit", build_model)
 
 # The guide's custom loop on a tf.data dataset (new variables: the chief's values are broadcast).
 with strategy.scope():
@@ -51,16 +54,7 @@ results["loop_losses"] = guide_loop(strategy, loop_model, optimizer, dataset, ks
 results["loop_weights"] = loop_model.get_weights()
 
 # A model with its own train_step / test_step / predict_step (run per replica).
-with strategy.scope():
-    own = build_own_steps_model()
-if strategy.extended.should_checkpoint:
-    np.savez(os.path.join(out, "own_initial.npz"), *own.get_weights())
-history = own.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
-results["own_loss"] = history.history["loss"]
-results["own_mae"] = history.history["mae"]
-results["own_weights"] = own.get_weights()
-results["own_evaluate"] = own.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
-results["own_predict"] = own.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+run_keras("own", build_own_steps_model)
 
 # Collectives from strategy.run: all_reduce and gather over every replica of every worker.
 def replica_fn():
