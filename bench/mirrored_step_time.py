@@ -545,11 +545,7 @@ def run_parent(args) -> int:
           f"(ms/step: median over runs; ratio: median of back-to-back run ratios, range in brackets), "
           f"intra-op threads {args.threads or 'backend default'}, "
           f"total {time.perf_counter() - t0:.0f}s")
-    fingerprint_end = source_fingerprint(args.source)
-    if fingerprint_end != fingerprint:
-        fingerprint += f" at the start; CHANGED during the run, at the end: {fingerprint_end}"
-    print(f"Code: {fingerprint}. Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-          f"1-min load average during the run {min(loads, default=0):.2f}-{max(loads, default=0):.2f}")
+    print_provenance(fingerprint, args.source, loads)
     print()
     print("\n".join(lines))
     print()
@@ -592,6 +588,15 @@ def breakdown_table(pairs, runs) -> str:
     header = ("| backend | devices | train_step ms | optimizer update | _train (replica program) | "
               "_reduce (cross-device ops) | _update_metrics | _global_predictions | rest |")
     return "\n".join([header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"] + rows)
+
+
+def print_provenance(fingerprint: str, source: str, loads: list) -> None:
+    """Which code was measured (and whether it changed during the run), and how loaded the machine was."""
+    fingerprint_end = source_fingerprint(source)
+    if fingerprint_end != fingerprint:
+        fingerprint += f" at the start; CHANGED during the run, at the end: {fingerprint_end}"
+    print(f"Code: {fingerprint}. Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+          f"1-min load average during the run {min(loads, default=0):.2f}-{max(loads, default=0):.2f}")
 
 
 def main(argv=None) -> int:

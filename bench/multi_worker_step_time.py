@@ -82,6 +82,7 @@ from mirrored_step_time import (  # noqa: E402  (the same model, data and thread
     _build_model,
     _limit_threads,
     _make_data,
+    print_provenance,
     source_fingerprint,
 )
 
@@ -825,11 +826,7 @@ def run_parent(args) -> int:
           f"median of {per_run} steps per run on worker 0 (warm-up epoch excluded), {args.repeats} run(s) per cell, "
           f"all-reduce: median of {args.allreduce_iters} iterations per run, "
           f"intra-op threads {args.threads or 'backend default'}, total {time.perf_counter() - t0:.0f}s")
-    fingerprint_end = source_fingerprint(args.source)
-    if fingerprint_end != fingerprint:
-        fingerprint += f" at the start; CHANGED during the run, at the end: {fingerprint_end}"
-    print(f"Code: {fingerprint}. Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-          f"1-min load average during the run {min(loads, default=0):.2f}-{max(loads, default=0):.2f}")
+    print_provenance(fingerprint, args.source, loads)
     print()
     print("\n".join(step_lines))
     print()
