@@ -289,17 +289,7 @@ def _breakdown(model, backend: str, steps: int) -> dict:
     # The model keeps either the ReplicaStep itself or an object whose `train_step`
     # is a bound method of it.
     step_obj = getattr(holder.train_step, "__self__", holder)
-    if backend == "jax":
-        import jax
-
-        def sync(out):
-            try:
-                jax.block_until_ready(out)
-            except Exception:  # noqa: BLE001 - non-array leaves
-                pass
-    else:
-        def sync(out):
-            return out
+    sync = completion_wait(backend)
 
     totals: dict = {}
     timing = {"depth": 0}
@@ -588,6 +578,21 @@ def breakdown_table(pairs, runs) -> str:
     header = ("| backend | devices | train_step ms | optimizer update | _train (replica program) | "
               "_reduce (cross-device ops) | _update_metrics | _global_predictions | rest |")
     return "\n".join([header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"] + rows)
+
+
+def completion_wait(backend: str):
+    """`sync(out)`: waits until `out` is computed (JAX dispatches asynchronously; others return at once)."""
+    if backend != "jax":
+        return lambda out: out
+    import jax
+
+    def sync(out):
+        try:
+            jax.block_until_ready(out)
+        except Exception:  # noqa: BLE001 - non-array leaves
+            pass
+
+    return sync
 
 
 def print_provenance(fingerprint: str, source: str, loads: list) -> None:

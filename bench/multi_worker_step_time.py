@@ -82,6 +82,7 @@ from mirrored_step_time import (  # noqa: E402  (the same model, data and thread
     _build_model,
     _limit_threads,
     _make_data,
+    completion_wait,
     print_provenance,
     source_fingerprint,
 )
@@ -213,17 +214,7 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
     step_obj = getattr(getattr(holder, "train_step", None), "__self__", None)
     if step_obj is None or not hasattr(step_obj, "_exchange"):
         return {}
-    if backend == "jax":
-        import jax
-
-        def sync(out):
-            try:
-                jax.block_until_ready(out)
-            except Exception:  # noqa: BLE001 - non-array leaves
-                pass
-    else:
-        def sync(out):
-            return out
+    sync = completion_wait(backend)
 
     totals = {name: 0.0 for name in BREAKDOWN_SECTIONS + ("train_step",)}
     collective_ms: list = []
