@@ -25,7 +25,9 @@ batch 256, so 128 rows per worker). Per backend it measures:
 2. All-reduce throughput (in the "ks" jobs, after fit) for ~1 MB and ~16 MB of
    float32 split into 10 tensors (5 "kernels" + 5 "biases", like gradients),
    plus ~4 KB for the fixed cost of one collective:
-   ours = `strategy.extended._cross_worker_sum(tensors, "bench")`, raw = the
+   ours = `strategy.extended._cross_worker_sum(tensors, "bench", donated=True)`
+   (as the train step sends its gradients, which the engine may sum in place;
+   also reported with `donated=False`, a caller keeping its tensors), raw = the
    engine's bare collective on one pre-flattened buffer already in place:
    - TensorFlow: a `tf.function` running one `tf.raw_ops.CollectiveReduceV2`,
    - JAX: a jitted sum over a one-device-per-process mesh of a prebuilt global
@@ -239,15 +241,15 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
     extended = strategy.extended
     cross_worker_sum = extended._cross_worker_sum
 
-    def counted_sum(values, what="all-reduce"):
+    def counted_sum(values, what="all-reduce", donated=False):
         if not inside["exchange"]:
-            return cross_worker_sum(values, what)
+            return cross_worker_sum(values, what, donated)
         if not payload:  # what one step sends (the same every step)
             arrays = [np.asarray(keras.ops.convert_to_numpy(v)) for v in values]
             payload.update(bytes=sum(a.nbytes for a in arrays), dtypes=sorted({str(a.dtype) for a in arrays}),
                            tensors=len(arrays))
         start = time.perf_counter()
-        out = cross_worker_sum(values, what)
+        out = cross_worker_sum(values, what, donated)
         sync(out)
         collective_ms.append(1e3 * (time.perf_counter() - start))
         return out
@@ -416,16 +418,20 @@ def _backend_tensors(backend: str, arrays: list) -> list:
     return [torch.from_numpy(a) for a in arrays]
 
 
-def _ours(backend: str, strategy, arrays: list):
-    """One `strategy.extended._cross_worker_sum` of `arrays` (as backend tensors), run to completion."""
+def _ours(backend: str, strategy, arrays: list, donated: bool = True):
+    """One `strategy.extended._cross_worker_sum` of `arrays` (as backend tensors), run to completion.
+
+    `donated=True` is how the train step sends its gradients (the engine may
+    sum them in place); `False` is a caller that keeps its tensors.
+    """
     tensors = _backend_tensors(backend, arrays)
     reduce_ours = strategy.extended._cross_worker_sum
     if backend == "jax":
         import jax
 
-        return lambda: jax.block_until_ready(reduce_ours(tensors, "bench"))
+        return lambda: jax.block_until_ready(reduce_ours(tensors, "bench", donated))
     # Eager TF and torch on CPU: the results are ready on return.
-    return lambda: reduce_ours(tensors, "bench")
+    return lambda: reduce_ours(tensors, "bench", donated)
 
 
 def _raw(backend: str, total: int):
@@ -570,11 +576,12 @@ def _all_reduce_bench(backend: str, strategy, iters: int, blocks: int) -> tuple[
         nbytes = 4 * total
         arrays = [np.zeros(s, "float32") for s in shapes]
         times = _interleaved(
-            {"ours": _ours(backend, strategy, arrays), "raw": _raw(backend, total), "packed": _packed(backend, arrays)},
+            {"ours": _ours(backend, strategy, arrays), "kept": _ours(backend, strategy, arrays, donated=False),
+             "raw": _raw(backend, total), "packed": _packed(backend, arrays)},
             iters, blocks,
         )
         row = {"payload_mb": nbytes / 2**20, "tensors": len(shapes), "iterations": len(times["ours"])}
-        for name in ("ours", "raw", "packed"):
+        for name in ("ours", "kept", "raw", "packed"):
             ms = statistics.median(times[name]) * 1e3
             row[f"{name}_ms"] = ms
             row[f"{name}_p10_ms"] = float(np.percentile(times[name], 10) * 1e3)
@@ -713,6 +720,7 @@ def run_parent(args) -> int:
                 print(f"[{time.perf_counter() - t0:6.1f}s] {backend:<10} {mode:<6} {status}", file=sys.stderr, flush=True)
                 for row in result.get("allreduce", []):
                     print(f"          all-reduce {row['payload_mb']:.4f} MB: ours {row['ours_ms']:.3f} ms (p10 {row['ours_p10_ms']:.3f}), "
+                          f"kept {row['kept_ms']:.3f} ms, "
                           f"raw {row['raw_ms']:.3f} ms (p10 {row['raw_p10_ms']:.3f}), packed {row['packed_ms']:.3f} ms",
                           file=sys.stderr, flush=True)
 
@@ -733,8 +741,8 @@ def run_parent(args) -> int:
     ]
     reduce_lines = [
         "| backend | payload | ours ms | ours MB/s | raw engine | raw ms | raw MB/s | ratio ours/raw (rate) | target "
-        "| packed ms (concat + raw + split) |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|",
+        "| ours, kept inputs ms (rate ratio) | packed ms (concat + raw + split) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|",
     ]
     for backend in backends:
         ours_runs = [r for r in runs[(backend, "ks")] if "error" not in r]
@@ -776,6 +784,7 @@ def run_parent(args) -> int:
             size = f"{payload * 1024:.1f} KB" if payload < 0.1 else f"{payload:.2f} MB"
             o_ms = _median(row["ours_ms"] for row in rows)
             r_ms = _median(row["raw_ms"] for row in rows)
+            k_ms = _median(row.get("kept_ms") for row in rows)
             rate_ratios = [row["raw_ms"] / row["ours_ms"] for row in rows]
             rr = _median(rate_ratios)
             spread = f" ({min(rate_ratios):.2f}-{max(rate_ratios):.2f})" if len(rate_ratios) > 1 else ""
@@ -784,6 +793,7 @@ def run_parent(args) -> int:
             reduce_lines.append(
                 f"| {backend} | {size} in {rows[0]['tensors']} tensors | {o_ms:.3f} | {payload / o_ms * 1e3:.0f} | "
                 f"{RAW_NAMES[backend]} | {r_ms:.3f} | {payload / r_ms * 1e3:.0f} | {rr:.2f}{spread} | {target} | "
+                f"{_fmt(k_ms, '.3f')} ({_fmt(_median([row['raw_ms'] / row['kept_ms'] for row in rows if row.get('kept_ms')]))}) | "
                 f"{_fmt(_median(row.get('packed_ms') for row in rows), '.3f')} |"
             )
 
@@ -825,8 +835,9 @@ def run_parent(args) -> int:
     print()
     print("\n".join(cycle_lines))
     print()
-    print("All-reduce, ours (`strategy.extended._cross_worker_sum` of the tensors) vs the raw engine "
-          "(one pre-flattened buffer), worker 0:")
+    print("All-reduce, ours (`strategy.extended._cross_worker_sum(tensors, donated=True)`, as the train step "
+          "sends its gradients) vs the raw engine (one pre-flattened buffer), worker 0; 'kept inputs' is the same "
+          "call with donated=False:")
     print()
     print("\n".join(reduce_lines))
     if len(split_lines) > 2:

@@ -96,14 +96,14 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             )
 
     # --- cross-worker collectives ---------------------------------------------------------------
-    def _cross_worker_sum(self, values: list, what: str = "all-reduce") -> list:
+    def _cross_worker_sum(self, values: list, what: str = "all-reduce", donated: Any = False) -> list:
         if self._cluster.num_workers == 1 or not values:
             return list(values)
         if engine.collectives.tracing():
-            return engine.collectives.all_reduce_sum(list(values))  # inside a compiled function
+            return engine.collectives.all_reduce_sum(list(values), donated)  # inside a compiled function
         self._monitor.begin(what)
         try:
-            result = engine.collectives.all_reduce_sum(list(values))
+            result = engine.collectives.all_reduce_sum(list(values), donated)
         except Exception as error:  # noqa: BLE001 - re-raised, naming the lost worker
             raise self._monitor.failed(error) from error
         self._monitor.end()

@@ -145,8 +145,12 @@ class StrategyExtended:
     def _is_chief(self) -> bool:
         return True
 
-    def _cross_worker_sum(self, values: list, what: str = "all-reduce") -> list:
-        """Element-wise sums of a list of tensors over all workers (one worker: unchanged)."""
+    def _cross_worker_sum(self, values: list, what: str = "all-reduce", donated: Any = False) -> list:
+        """Element-wise sums of a list of tensors over all workers (one worker: unchanged).
+
+        `donated` (a bool, or one per value) hands the values over: the engine
+        may then sum them in place instead of copying them.
+        """
         return values
 
     def _any_worker_has(self, flag: bool) -> bool:

@@ -107,25 +107,27 @@ def own_rows(shards: Any, structure: Any) -> Any:
 class Exchange:
     """Named lists of tensors summed across workers together (packed by dtype)."""
 
-    def __init__(self, sum_across_workers: Callable[[list, str], list]):
+    def __init__(self, sum_across_workers: Callable[..., list]):
         self._sum = sum_across_workers
         self._parts: list = []
 
-    def add(self, name: str, values: list) -> None:
-        self._parts.append((name, list(values)))
+    def add(self, name: str, values: list, donated: bool = False) -> None:
+        """`donated=True`: the values are temporaries of the step, which the engine may sum in place."""
+        self._parts.append((name, list(values), donated))
 
     def run(self, what: str) -> dict:
-        flat = [value for _, values in self._parts for value in values]
+        flat = [value for _, values, _ in self._parts for value in values]
+        donated = [given for _, values, given in self._parts for _ in values]
         # Small integers (class labels) travel as float32, exactly, so that a step needs one
         # collective rather than one per dtype.
         as_float = [isinstance(v, np.ndarray) and v.dtype.kind in "iub" and (v.size == 0 or np.abs(v).max() < 2**24)
                     for v in flat]
         sent = [v.astype("float32") if cast else v for v, cast in zip(flat, as_float)]
-        summed = self._sum(sent, what)
+        summed = self._sum(sent, what, donated)
         summed = [np.rint(_numpy(v)).astype(original.dtype) if cast else v
                   for v, original, cast in zip(summed, flat, as_float)]
         result, start = {}, 0
-        for name, values in self._parts:
+        for name, values, _ in self._parts:
             result[name] = summed[start:start + len(values)]
             start += len(values)
         return result

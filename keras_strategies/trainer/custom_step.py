@@ -118,7 +118,7 @@ class CustomStep:
             return local
         # Every worker gets the predictions of the whole global batch.
         buffers = cross_worker.place_rows(shards, [] if idle else [local], local)
-        flat = self.strategy.extended._cross_worker_sum(tree.flatten(buffers), "predictions all-gather")
+        flat = self.strategy.extended._cross_worker_sum(tree.flatten(buffers), "predictions all-gather", donated=True)
         return tree.pack_sequence_as(buffers, [engine.devices.copy_to(ops.convert_to_tensor(f), host) for f in flat])
 
 

@@ -331,15 +331,15 @@ class ReplicaStep:
         exchange = cross_worker.Exchange(self.strategy.extended._cross_worker_sum)
         mine = cross_worker.fingerprint(shards)
         exchange.add("check", [mine])
-        exchange.add("grads", grads)
-        exchange.add("loss", [] if loss is None else [loss])
+        exchange.add("grads", grads, donated=True)
+        exchange.add("loss", [] if loss is None else [loss], donated=True)
         local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
         buffers = cross_worker.place_rows(shards, local_parts, predictions[0])
-        exchange.add("predictions", tree.flatten(buffers))
+        exchange.add("predictions", tree.flatten(buffers), donated=True)
         # Targets and weights of the rows every worker actually used: exact metrics even when
         # workers read different batches.
         targets = (cross_worker.own_rows(shards, shards.y), cross_worker.own_rows(shards, shards.sample_weight))
-        exchange.add("targets", [leaf for leaf in tree.flatten(targets) if leaf is not None])
+        exchange.add("targets", [leaf for leaf in tree.flatten(targets) if leaf is not None], donated=True)
         variables = self.model.non_trainable_variables
         kinds: list = []
         if non_trainable is not None:

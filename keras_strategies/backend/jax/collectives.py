@@ -2,14 +2,13 @@
 
 Process id = the worker's index (chief 0); the chief's `TF_CONFIG` address
 hosts the coordination service, whose key-value store carries our
-heartbeats. A sum over workers is a jitted reduction over a mesh with one
+heartbeats. A sum over workers is one compiled `psum` over a mesh with one
 device per process, which XLA lowers to a cross-process all-reduce.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -49,23 +48,8 @@ def initialize(cluster: Any, options: Any) -> None:
         mesh=mesh,
         device=first_of_each[jax.process_index()],
         split=NamedSharding(mesh, P("workers")),
-        replicated=NamedSharding(mesh, P()),
         client=distributed.global_state.client,
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _sum_program(replicated: Any) -> Any:
-    return jax.jit(lambda stacked: jnp.sum(stacked, axis=0), out_shardings=replicated)
-
-
-def _all_reduce_flat(flat: np.ndarray) -> np.ndarray:
-    local = jax.device_put(flat[None], _state["device"])
-    stacked = jax.make_array_from_single_device_arrays(
-        (len(_state["mesh"].devices),) + flat.shape, _state["split"], [local]
-    )
-    total = _sum_program(_state["replicated"])(stacked)
-    return np.asarray(total.addressable_data(0))
 
 
 def tracing() -> bool:
@@ -75,19 +59,66 @@ def tracing() -> bool:
     return not core.trace_state_clean()
 
 
-def all_reduce_sum(values: list) -> list:
-    """Element-wise sums of `values` over all workers: one all-reduce per dtype (eager only)."""
+def _sum_program(shapes: tuple, dtypes: tuple) -> Callable:
+    """A compiled sum over workers of blocks with these local shapes (cached per signature).
+
+    Inside one program: large blocks are reduced as they are, small ones are
+    packed per dtype first, all in one (tuple) all-reduce; the outputs are
+    replicated, so each worker's result is a local buffer (no host round trip).
+    """
+    key = (shapes, dtypes)
+    programs = _state.setdefault("programs", {})
+    if key in programs:
+        return programs[key]
+    nbytes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in zip(shapes, dtypes)]
+    like = [np.empty((0,), dtype) for dtype in dtypes]  # carries the dtype for the plan
+    alone, groups = packing.plan(like, nbytes, [True] * len(shapes))
+
+    def reduce(*blocks):
+        blocks = [jnp.reshape(b, shape) for b, shape in zip(blocks, shapes)]
+        packs = [jnp.concatenate([jnp.ravel(blocks[i]) for i in group]) for group in groups]
+        summed = jax.lax.psum([blocks[i] for i in alone] + packs, "workers")
+        outputs: list = [None] * len(blocks)
+        for i, total in zip(alone, summed):
+            outputs[i] = total
+        for group, total in zip(groups, summed[len(alone):]):
+            offset = 0
+            for i in group:
+                size = int(np.prod(shapes[i]))
+                outputs[i] = jnp.reshape(total[offset:offset + size], shapes[i])
+                offset += size
+        return outputs
+
+    program = jax.jit(jax.shard_map(reduce, mesh=_state["mesh"], in_specs=P("workers"), out_specs=P(),
+                                    check_vma=False))
+    programs[key] = program
+    return program
+
+
+def all_reduce_sum(values: list, donated: Any = False) -> list:
+    """Element-wise sums of `values` over all workers: one compiled all-reduce (eager only).
+
+    Each worker's arrays become its blocks of global arrays without a copy.
+    `donated` is accepted for the engines' common interface: JAX arrays are
+    immutable, and the program writes its own outputs.
+    """
     if tracing():
         raise NotImplementedError(
             "Cross-worker collectives cannot run inside a compiled JAX function: call them "
             "eagerly (a custom training loop on JAX runs `strategy.run` eagerly)."
         )
-    return packing.packed_sum(
-        [np.asarray(v) for v in values],
-        lambda arrays: np.concatenate([a.reshape(-1) for a in arrays]),
-        _all_reduce_flat,
-        lambda piece, like: jnp.asarray(piece.reshape(like.shape)),
-    )
+    device, workers = _state["device"], len(_state["mesh"].devices)
+    local = [jax.device_put(v, device) for v in values]
+    shapes = tuple(tuple(a.shape) for a in local)
+    blocks = [a if a.ndim else jnp.reshape(a, (1,)) for a in local]
+    global_arrays = [
+        jax.make_array_from_single_device_arrays((workers * b.shape[0],) + b.shape[1:], _state["split"], [b])
+        for b in blocks
+    ]
+    program = _sum_program(shapes, tuple(a.dtype for a in local))
+    # Wait for the result: the CPU runtime may run independent programs concurrently, and
+    # collectives must run in the same order on every worker (and the watchdog must see them).
+    return jax.block_until_ready([out.addressable_data(0) for out in program(*global_arrays)])
 
 
 def kv_set(key: str, value: str) -> None:

@@ -78,10 +78,11 @@ def tracing() -> bool:
     return not tf.executing_eagerly()
 
 
-def all_reduce_sum(values: list) -> list:
+def all_reduce_sum(values: list, donated: Any = False) -> list:
     """Element-wise sums of `values` over all workers (same shapes and dtypes on every worker).
 
-    Works eagerly (through a cached `tf.function`, so the tensors are packed)
+    `donated` is accepted for the engines' common interface: TF's collectives
+    write their own outputs. Works eagerly (through a cached `tf.function`, so the tensors are packed)
     and inside a `tf.function` (e.g. a `merge_call` of a compiled custom step).
     """
     with tf.device(_state["device"]):

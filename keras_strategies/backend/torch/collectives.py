@@ -45,19 +45,43 @@ def tracing() -> bool:
     return False
 
 
-def _all_reduce_flat(flat: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    return flat
+def _in_place_candidates(tensors: list, donated: list) -> list:
+    """Which tensors gloo may sum in place: donated, dense, not sharing memory with another value."""
+    storages: dict = {}
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        storages[key] = storages.get(key, 0) + 1
+    return [
+        given and t.device.type == "cpu" and t.is_floating_point() and t.is_contiguous() and not t.requires_grad
+        and storages[t.untyped_storage().data_ptr()] == 1
+        for t, given in zip(tensors, donated)
+    ]
 
 
-def all_reduce_sum(values: list) -> list:
-    """Element-wise sums of `values` over all workers: one gloo all-reduce per dtype."""
-    return packing.packed_sum(
-        [torch.as_tensor(v) for v in values],
-        lambda tensors: torch.cat([t.detach().reshape(-1).cpu() for t in tensors]),
-        _all_reduce_flat,
-        lambda piece, like: piece.reshape(like.shape).to(like.device),
-    )
+def all_reduce_sum(values: list, donated: Any = False) -> list:
+    """Element-wise sums of `values` over all workers (same shapes and dtypes on every worker).
+
+    Small tensors go in one packed gloo all-reduce per dtype. With
+    `donated=True` the caller gives up `values`: large ones are then summed in
+    place, with no copy (the train step donates its gradients). `donated` is
+    a bool for all values or one bool per value.
+    """
+    originals = [torch.as_tensor(v) for v in values]
+    tensors = [t.detach().cpu() for t in originals]
+    alone, groups = packing.plan(tensors, [t.numel() * t.element_size() for t in tensors],
+                                 _in_place_candidates(tensors, packing.per_value(donated, len(tensors))))
+    pending = [dist.all_reduce(tensors[i], op=dist.ReduceOp.SUM, async_op=True) for i in alone]
+    outputs: list = [None] * len(tensors)
+    for group in groups:
+        flat = torch.cat([tensors[i].reshape(-1) for i in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for i, piece in zip(group, flat.split([tensors[i].numel() for i in group])):
+            outputs[i] = piece.view(tensors[i].shape)
+    for work in pending:
+        work.wait()
+    for i in alone:
+        outputs[i] = tensors[i]
+    return [out.to(original.device) for out, original in zip(outputs, originals)]
 
 
 def kv_set(key: str, value: str) -> None:

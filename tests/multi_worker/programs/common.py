@@ -93,3 +93,32 @@ def guide_loop(strategy, model, optimizer, dataset, ks, n=N):
 
     return [float(ops.convert_to_numpy(distributed_train_step(inputs, size)))
             for inputs, size in zip(dist_dataset, global_batch_sizes(n))]
+
+
+WIDE = 512  # a 512 x 512 float32 kernel is 1 MiB: its gradient is reduced on its own, in place
+
+
+def wide_data(n=N):
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(n, WIDE)).astype("float32")
+    y = (x[:, :3].sum(axis=1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+def build_wide_model():
+    model = keras.Sequential([keras.Input((WIDE,)), keras.layers.Dense(WIDE, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", metrics=["mae"])
+    return model
+
+
+def collective_values(worker):
+    """What worker `worker` sums across workers: large and small, float and int, 0-d and empty."""
+    rng = np.random.default_rng(worker)
+    return [
+        rng.normal(size=(600, 600)).astype("float32"),  # 1.4 MB: on its own
+        rng.normal(size=(5,)).astype("float32"),
+        rng.integers(-50, 50, size=(7,)).astype("int32"),
+        np.array(rng.normal(), "float32"),
+        np.zeros((0, 3), "float32"),
+        rng.normal(size=(300, 1000)).astype("float32"),  # 1.1 MB: on its own
+    ]

@@ -1,0 +1,53 @@
+"""One worker: cross-worker sums of mixed tensors (kept or donated) and `fit` of a wide model.
+
+Writes `<out>/worker_<task id>.npz`; the chief also writes the wide model's
+initial weights, from which the test computes the single-process reference.
+"""
+
+import os
+import sys
+
+import keras_strategies as ks
+
+strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=120))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras import ops  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import build_wide_model, collective_values, keras_run, wide_data  # noqa: E402
+
+out = sys.argv[1]
+task_id = strategy.cluster_resolver.task_id
+results = {}
+
+# Kept: the inputs must be unchanged afterwards.
+inputs = [ops.convert_to_tensor(v) for v in collective_values(task_id)]
+before = [ops.convert_to_numpy(t).copy() for t in inputs]
+kept = strategy.extended._cross_worker_sum(inputs, "kept values")
+results["inputs_unchanged"] = all(np.array_equal(ops.convert_to_numpy(t), b) for t, b in zip(inputs, before))
+for i, value in enumerate(kept):
+    results[f"kept_{i}"] = ops.convert_to_numpy(value)
+
+# Donated, with the first (large) tensor given twice: shared memory must not be summed twice.
+donated_inputs = [ops.convert_to_tensor(v) for v in collective_values(task_id)]
+donated_inputs.append(donated_inputs[0])
+for i, value in enumerate(strategy.extended._cross_worker_sum(donated_inputs, "donated values", donated=True)):
+    results[f"donated_{i}"] = ops.convert_to_numpy(value)
+
+# Training where a gradient is large enough to be reduced in place.
+keras.utils.set_random_seed(100 + task_id)
+with strategy.scope():
+    model = build_wide_model()
+if strategy.extended.should_checkpoint:
+    np.savez(os.path.join(out, "wide_initial.npz"), *model.get_weights())
+x, y = wide_data()
+for key, value in keras_run(model, x, y).items():
+    if key == "weights":
+        for i, weight in enumerate(value):
+            results[f"weights_{i}"] = weight
+    else:
+        results[key] = np.asarray(value)
+
+np.savez(os.path.join(out, f"worker_{task_id}.npz"), **results)

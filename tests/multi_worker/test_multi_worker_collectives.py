@@ -1,0 +1,62 @@
+"""The engines' cross-worker sum, with real processes on 127.0.0.1.
+
+Small tensors travel packed per dtype; large donated tensors are summed on
+their own without a copy (`multi_worker/packing.py`). Both must give exact
+sums, leave kept inputs alone, and train a model with a large gradient like
+one process.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from mw_launch import PROGRAMS, check, run_program
+
+sys.path.insert(0, PROGRAMS)
+from common import build_wide_model, collective_values, keras_run, wide_data  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("collectives")
+    check(run_program("collectives.py", [out], workers=2))
+    return out, [np.load(out / f"worker_{i}.npz") for i in range(2)]
+
+
+def _expected():
+    return [a + b for a, b in zip(collective_values(0), collective_values(1))]
+
+
+def test_kept_values_are_summed_exactly_and_left_unchanged(results):
+    _, workers = results
+    for worker in workers:
+        assert bool(worker["inputs_unchanged"])
+        for i, expected in enumerate(_expected()):
+            got = worker[f"kept_{i}"]
+            assert got.shape == expected.shape and got.dtype == expected.dtype, i
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_donated_values_are_summed_once_even_when_given_twice(results):
+    _, workers = results
+    expected = _expected()
+    expected.append(expected[0])
+    for worker in workers:
+        for i, value in enumerate(expected):
+            np.testing.assert_allclose(worker[f"donated_{i}"], value, rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_with_a_large_gradient_trains_like_one_process(results):
+    out, workers = results
+    initial = np.load(os.path.join(out, "wide_initial.npz"))
+    model = build_wide_model()
+    model.set_weights([initial[f"arr_{i}"] for i in range(len(initial.files))])
+    x, y = wide_data()
+    reference = keras_run(model, x, y)
+    for worker in workers:
+        for i, weight in enumerate(reference["weights"]):
+            np.testing.assert_allclose(worker[f"weights_{i}"], weight, rtol=1e-5, atol=1e-5)
+        for key in ("loss", "mae", "evaluate", "predict"):
+            np.testing.assert_allclose(worker[key], np.asarray(reference[key]), rtol=1e-5, atol=1e-5)
