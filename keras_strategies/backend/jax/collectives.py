@@ -108,7 +108,7 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
             "eagerly (a custom training loop on JAX runs `strategy.run` eagerly)."
         )
     device, workers = _state["device"], len(_state["mesh"].devices)
-    local = [jax.device_put(v, device) for v in values]
+    local = [v if isinstance(v, jax.Array) and v.devices() == {device} else jax.device_put(v, device) for v in values]
     shapes = tuple(tuple(a.shape) for a in local)
     blocks = [a if a.ndim else jnp.reshape(a, (1,)) for a in local]
     global_arrays = [
