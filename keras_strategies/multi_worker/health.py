@@ -159,6 +159,9 @@ class HealthMonitor:
 
     def _at_exit(self) -> None:
         self._stop.set()
+        # No store call may be in flight while the interpreter tears the store clients down.
+        for thread in self._threads:
+            thread.join(timeout=2 * self._interval)
         try:
             self._kv_set(self._key(self._me), f"{LEFT} {self._completed}")
         except Exception:  # noqa: BLE001 - the store may be gone already

@@ -18,11 +18,17 @@ from keras_strategies.multi_worker import packing
 _state: dict = {}
 
 
+# TF's own collective timeout is only a backstop: our watchdog enforces `timeout_seconds` and
+# names the worker. When TF aborted a collective at the same moment, the process sometimes died
+# inside TF's abort without any message (seen once in the suite's hung-worker test).
+TF_TIMEOUT_MARGIN_SECONDS = 30.0
+
+
 def _tf_options(options: Any) -> tf.distribute.experimental.CommunicationOptions:
     implementation = getattr(tf.distribute.experimental.CommunicationImplementation, options.implementation.value)
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=options.bytes_per_pack,
-        timeout_seconds=options.effective_timeout,
+        timeout_seconds=options.effective_timeout + TF_TIMEOUT_MARGIN_SECONDS,
         implementation=implementation,
     )
 
