@@ -3,92 +3,43 @@
 Import it as `import keras_strategies as ks`; names follow `tf.distribute`, so
 switching is `s/tf.distribute/ks/`. Importing changes nothing for Keras code
 that never enters a strategy scope.
+
+The launcher process (`python -m keras_strategies.launch`, `keras-strategies-launch`)
+needs none of Keras: there the API is imported on first use instead, which
+saves the seconds that importing Keras and its backend takes.
 """
 
-from keras_strategies import batch_norm as _batch_norm
-from keras_strategies import cluster_resolver
-from keras_strategies.multi_worker import chief_only as _chief_only
-from keras_strategies import devices as _devices
-from keras_strategies import loss_scaling as _loss_scaling
-from keras_strategies import optimizer_hooks as _optimizer_hooks
-from keras_strategies import keras_hooks as _keras_hooks
-from keras_strategies.cross_device_ops import (
-    CrossDeviceOps,
-    HierarchicalCopyAllReduce,
-    NcclAllReduce,
-    ReductionToOneDevice,
-)
-from keras_strategies.cluster_resolver import ClusterSpec
-from keras_strategies.context import (
-    ReplicaContext,
-    experimental_set_strategy,
-    get_replica_context,
-    get_strategy,
-    has_strategy,
-    in_cross_replica_context,
-)
-from keras_strategies.devices import list_devices, set_virtual_cpu_devices
-from keras_strategies.input.context import (
-    InputContext,
-    InputOptions,
-    InputReplicationMode,
-    RunOptions,
-    ValueContext,
-)
-from keras_strategies.gradients import function, value_and_grad
-from keras_strategies.losses import compute_average_loss, scale_regularization_loss
-from keras_strategies.mirrored import MirroredStrategy
-from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
-from keras_strategies.multi_worker.health import LostWorkerError
-from keras_strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
-from keras_strategies.one_device import OneDeviceStrategy
-from keras_strategies.reduce_op import ReduceOp
-from keras_strategies.strategy import Strategy, StrategyExtended
-from keras_strategies.values import DistributedValues, Mirrored, PerReplica
+import os as _os
+import sys as _sys
 
-__version__ = "0.1.0"
+from keras_strategies._version import __version__
 
-_devices.configure_from_environment()
-_keras_hooks.install()
-_batch_norm.install()
-_optimizer_hooks.install()
-_loss_scaling.install()
-_chief_only.install()
 
-__all__ = [
-    "ClusterSpec",
-    "CommunicationImplementation",
-    "CommunicationOptions",
-    "CrossDeviceOps",
-    "DistributedValues",
-    "HierarchicalCopyAllReduce",
-    "MirroredStrategy",
-    "NcclAllReduce",
-    "ReductionToOneDevice",
-    "InputContext",
-    "LostWorkerError",
-    "InputOptions",
-    "InputReplicationMode",
-    "Mirrored",
-    "MultiWorkerMirroredStrategy",
-    "OneDeviceStrategy",
-    "PerReplica",
-    "ReduceOp",
-    "ReplicaContext",
-    "RunOptions",
-    "Strategy",
-    "StrategyExtended",
-    "ValueContext",
-    "cluster_resolver",
-    "compute_average_loss",
-    "experimental_set_strategy",
-    "function",
-    "get_replica_context",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-    "list_devices",
-    "scale_regularization_loss",
-    "set_virtual_cpu_devices",
-    "value_and_grad",
-]
+def _running_the_launcher() -> bool:
+    argv = list(getattr(_sys, "orig_argv", []))
+    if argv and _os.path.basename(argv[min(1, len(argv) - 1)]) == "keras-strategies-launch":
+        return True
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-m"):
+            return (arg[2:] or "".join(argv[i + 1:i + 2])) == "keras_strategies.launch"
+        if not arg.startswith("-") or arg.startswith("-c"):  # a script or command: Python's options end
+            return False
+        i += 2 if arg in ("-X", "-W") else 1
+    return False
+
+
+if _running_the_launcher():
+
+    def __getattr__(name: str):
+        from keras_strategies import _api
+
+        try:
+            return getattr(_api, name)
+        except AttributeError:
+            raise AttributeError(f"module 'keras_strategies' has no attribute {name!r}") from None
+
+else:
+    from keras_strategies._api import *  # noqa: F401,F403
+    from keras_strategies._api import __all__  # noqa: F401

@@ -11,10 +11,9 @@ workers succeed, else the first failing worker's code (128 + S when killed by
 signal S), 130/143 when the launcher is interrupted, 124 on `--timeout`; any
 failure stops all workers. From Python, call `launch(...)`.
 
-This module and `keras_strategies.launcher` use only the standard library;
-`python -m keras_strategies.launch` still imports the `keras_strategies`
-package (and so Keras and its backend) first, which costs a few seconds of
-start-up but nothing once the workers run.
+This module and `keras_strategies.launcher` use only the standard library, and
+in the launcher process the package defers importing its API (and so Keras and
+its backend) to first use: the launcher starts in well under a second.
 """
 
 from __future__ import annotations

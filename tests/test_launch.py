@@ -352,8 +352,25 @@ def test_cli_sigint_exits_130_and_leaves_no_workers(job):
     _assert_all_gone(job)
 
 
-# Runs keras_strategies/launch.py as __main__ without executing the package __init__ (which
-# imports Keras): fast, and proves the launcher itself imports no ML framework.
+@pytest.mark.parametrize("module", [["-m", "keras_strategies.launch"], ["-mkeras_strategies.launch"]])
+def test_the_launcher_process_imports_no_ml_framework(module):
+    """`python -m keras_strategies.launch` defers the package's API (and Keras) to first use."""
+    probe = "import sys; print(sorted({'keras', 'tensorflow', 'jax', 'torch'} & set(sys.modules)))"
+    result = subprocess.run(  # -X importtime lists every module the process imports
+        [sys.executable, "-X", "importtime", *module, "--help"], capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage: python -m keras_strategies.launch")
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert not imported & {"keras", "tensorflow", "jax", "torch"}, sorted(imported)[:20]
+    # Any other process importing the package gets the whole API at once (hooks installed).
+    full = subprocess.run([sys.executable, "-c", "import keras_strategies as ks; " + probe], capture_output=True,
+                          text=True, timeout=120)
+    assert "keras" in full.stdout, full.stderr[-2000:]
+
+
+# Runs keras_strategies/launch.py as __main__ without executing the package __init__:
+# proves the launcher modules themselves import no ML framework.
 _BARE_LAUNCHER = textwrap.dedent(
     """
     import runpy, sys, types
