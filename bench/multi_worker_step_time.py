@@ -434,6 +434,25 @@ def _ours(backend: str, strategy, arrays: list, donated: bool = True):
     return lambda: reduce_ours(tensors, "bench", donated)
 
 
+def _tf_collective_sum():
+    """A bare `CollectiveReduceV2` sum over the workers, with an instance key of our own group (TF)."""
+    import tensorflow as tf
+
+    instance_key = 7_000_000 + len(_TF_INSTANCE_KEYS)
+    _TF_INSTANCE_KEYS.append(instance_key)
+    return lambda t: tf.raw_ops.CollectiveReduceV2(
+        input=t, group_size=WORKERS, group_key=7_000_000, instance_key=instance_key,
+        ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
+    )
+
+
+def _jax_process_mesh() -> tuple:
+    """`(mesh with one device per process, this process's device, sharding over processes)` of the engine."""
+    from keras_strategies.backend.jax import collectives
+
+    return collectives._state["mesh"], collectives._state["device"], collectives._state["split"]
+
+
 def _raw(backend: str, total: int):
     """The engine's bare collective on one pre-flattened float32 buffer of `total` elements, in place."""
     import numpy as np
@@ -443,32 +462,25 @@ def _raw(backend: str, total: int):
         from keras_strategies.backend.tensorflow import collectives
 
         device = collectives._state["device"]
-        instance_key = 7_000_000 + len(_TF_INSTANCE_KEYS)  # a group and instances of our own
-        _TF_INSTANCE_KEYS.append(instance_key)
+        collective_sum = _tf_collective_sum()
         with tf.device(device):
             flat = tf.zeros([total], "float32")
 
         @tf.function
         def raw_fn(t):
             with tf.device(device):
-                return tf.raw_ops.CollectiveReduceV2(
-                    input=t, group_size=WORKERS, group_key=7_000_000, instance_key=instance_key,
-                    ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
-                )
+                return collective_sum(t)
 
         return lambda: raw_fn(flat)
     if backend == "jax":
         import jax
         import jax.numpy as jnp
-        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        first = {}
-        for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
-            first.setdefault(d.process_index, d)
-        mesh = Mesh(np.array([first[i] for i in sorted(first)]), ("workers",))
-        local = jax.device_put(np.zeros((1, total), "float32"), first[jax.process_index()])
-        stacked = jax.make_array_from_single_device_arrays((len(first), total), NamedSharding(mesh, P("workers")), [local])
+        mesh, device, split = _jax_process_mesh()
+        local = jax.device_put(np.zeros((1, total), "float32"), device)
+        stacked = jax.make_array_from_single_device_arrays((mesh.size, total), split, [local])
         program = jax.jit(lambda s: jnp.sum(s, axis=0), out_shardings=NamedSharding(mesh, P()))
         return lambda: program(stacked).block_until_ready()
     import torch
@@ -497,32 +509,23 @@ def _packed(backend: str, arrays: list):
         from keras_strategies.backend.tensorflow import collectives
 
         device = collectives._state["device"]
-        instance_key = 7_000_000 + len(_TF_INSTANCE_KEYS)
-        _TF_INSTANCE_KEYS.append(instance_key)
+        collective_sum = _tf_collective_sum()
 
         @tf.function
         def packed_fn(ts):
             with tf.device(device):
-                flat = tf.concat([tf.reshape(t, [-1]) for t in ts], 0)
-                summed = tf.raw_ops.CollectiveReduceV2(
-                    input=flat, group_size=WORKERS, group_key=7_000_000, instance_key=instance_key,
-                    ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
-                )
+                summed = collective_sum(tf.concat([tf.reshape(t, [-1]) for t in ts], 0))
                 return [tf.reshape(p, shape) for p, shape in zip(tf.split(summed, sizes), shapes)]
 
         return lambda: packed_fn(tensors)
     if backend == "jax":
         import jax
         import jax.numpy as jnp
-        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        first = {}
-        for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
-            first.setdefault(d.process_index, d)
-        mesh = Mesh(np.array([first[i] for i in sorted(first)]), ("workers",))
-        split = NamedSharding(mesh, P("workers"))
-        tensors = [jax.device_put(t, first[jax.process_index()]) for t in tensors]
+        mesh, device, split = _jax_process_mesh()
+        tensors = [jax.device_put(t, device) for t in tensors]
         pack = jax.jit(lambda ts: jnp.concatenate([jnp.ravel(t) for t in ts])[None])
         offsets = np.cumsum([0] + sizes)
 
@@ -533,7 +536,7 @@ def _packed(backend: str, arrays: list):
         program = jax.jit(total_and_split, out_shardings=NamedSharding(mesh, P()))
 
         def run():
-            stacked = jax.make_array_from_single_device_arrays((len(first), total), split, [pack(tensors)])
+            stacked = jax.make_array_from_single_device_arrays((mesh.size, total), split, [pack(tensors)])
             return jax.block_until_ready([out.addressable_data(0) for out in program(stacked)])
 
         return run
