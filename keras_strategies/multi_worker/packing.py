@@ -19,9 +19,13 @@ SEPARATE_BYTES = 1 << 20
 
 def group_by_dtype(values: Sequence[Any]) -> list[list[int]]:
     """Indices of `values`, grouped by dtype in order of first appearance."""
+    return _group([value.dtype for value in values], range(len(values)))
+
+
+def _group(dtypes: Sequence[Any], indices: Sequence[int]) -> list[list[int]]:
     groups: dict = {}
-    for i, value in enumerate(values):
-        groups.setdefault(value.dtype, []).append(i)
+    for i in indices:
+        groups.setdefault(dtypes[i], []).append(i)
     return list(groups.values())
 
 
@@ -35,7 +39,7 @@ def per_value(flag: Any, count: int) -> list[bool]:
     return flags
 
 
-def plan(values: Sequence[Any], nbytes: Sequence[int], may_go_alone: Sequence[bool]) -> tuple[list[int], list[list[int]]]:
+def plan(dtypes: Sequence[Any], nbytes: Sequence[int], may_go_alone: Sequence[bool]) -> tuple[list[int], list[list[int]]]:
     """`(indices reduced on their own, groups of indices packed together by dtype)`.
 
     A value goes alone when the engine may reduce it without copying
@@ -43,8 +47,6 @@ def plan(values: Sequence[Any], nbytes: Sequence[int], may_go_alone: Sequence[bo
     depends only on shapes, dtypes and flags, so every worker makes the same
     collectives in the same order.
     """
-    alone = [i for i in range(len(values)) if may_go_alone[i] and nbytes[i] >= SEPARATE_BYTES]
+    alone = [i for i in range(len(dtypes)) if may_go_alone[i] and nbytes[i] >= SEPARATE_BYTES]
     taken = set(alone)
-    rest = [i for i in range(len(values)) if i not in taken]
-    groups = [[rest[j] for j in group] for group in group_by_dtype([values[i] for i in rest])]
-    return alone, groups
+    return alone, _group(dtypes, [i for i in range(len(dtypes)) if i not in taken])

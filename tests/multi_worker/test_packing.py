@@ -9,7 +9,7 @@ from keras_strategies.multi_worker import packing
 def test_large_values_that_may_go_alone_do_and_the_rest_is_packed_by_dtype():
     values = [np.zeros(3, "float32"), np.zeros(4, "int32"), np.zeros(5, "float32"), np.zeros(6, "float32")]
     nbytes = [12, 16, packing.SEPARATE_BYTES, packing.SEPARATE_BYTES + 1]
-    alone, groups = packing.plan(values, nbytes, [True, True, False, True])
+    alone, groups = packing.plan([v.dtype for v in values], nbytes, [True, True, False, True])
     assert alone == [3]
     assert groups == [[0, 2], [1]]  # index 2 is large but may not go alone (kept by its caller)
 

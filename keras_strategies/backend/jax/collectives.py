@@ -71,8 +71,7 @@ def _sum_program(shapes: tuple, dtypes: tuple) -> Callable:
     if key in programs:
         return programs[key]
     nbytes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in zip(shapes, dtypes)]
-    like = [np.empty((0,), dtype) for dtype in dtypes]  # carries the dtype for the plan
-    alone, groups = packing.plan(like, nbytes, [True] * len(shapes))
+    alone, groups = packing.plan(dtypes, nbytes, [True] * len(shapes))
 
     def reduce(*blocks):
         blocks = [jnp.reshape(b, shape) for b, shape in zip(blocks, shapes)]

@@ -68,7 +68,7 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     """
     originals = [torch.as_tensor(v) for v in values]
     tensors = [t.detach().cpu() for t in originals]
-    alone, groups = packing.plan(tensors, [t.numel() * t.element_size() for t in tensors],
+    alone, groups = packing.plan([t.dtype for t in tensors], [t.numel() * t.element_size() for t in tensors],
                                  _in_place_candidates(tensors, packing.per_value(donated, len(tensors))))
     pending = [dist.all_reduce(tensors[i], op=dist.ReduceOp.SUM, async_op=True) for i in alone]
     outputs: list = [None] * len(tensors)
