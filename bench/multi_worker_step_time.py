@@ -686,6 +686,14 @@ def launch_job(backend: str, mode: str, args) -> dict:
     return result
 
 
+def _print_table(title: str, lines: list) -> None:
+    """A Markdown table after its title, set off by blank lines."""
+    print()
+    print(title)
+    print()
+    print("\n".join(lines))
+
+
 def _fmt(value, spec=".2f") -> str:
     return "—" if value is None else format(value, spec)
 
@@ -833,28 +841,17 @@ def run_parent(args) -> int:
     print_provenance(fingerprint, args.source, loads)
     print()
     print("\n".join(step_lines))
-    print()
-    print("Cross-checks: begin-to-begin cycle time on worker 0 (step + loop overhead), and worker 1's median step:")
-    print()
-    print("\n".join(cycle_lines))
-    print()
-    print("All-reduce, ours (`strategy.extended._cross_worker_sum(tensors, donated=True)`, as the train step "
-          "sends its gradients) vs the raw engine (one pre-flattened buffer), worker 0; 'kept inputs' is the same "
-          "call with donated=False:")
-    print()
-    print("\n".join(reduce_lines))
-    if len(split_lines) > 2:
-        print()
-        print("One collective per dtype: `_cross_worker_sum` of the same payload with the targets as float32 or int32 "
-              "(medians, worker 0):")
-        print()
-        print("\n".join(split_lines))
+    _print_table("Cross-checks: begin-to-begin cycle time on worker 0 (step + loop overhead), and worker 1's median "
+                 "step:", cycle_lines)
+    _print_table("All-reduce, ours (`strategy.extended._cross_worker_sum(tensors, donated=True)`, as the train step "
+                 "sends its gradients) vs the raw engine (one pre-flattened buffer), worker 0; 'kept inputs' is the "
+                 "same call with donated=False:", reduce_lines)
+    if len(split_lines) > 2:  # more than the header and separator
+        _print_table("One collective per dtype: `_cross_worker_sum` of the same payload with the targets as "
+                     "float32 or int32 (medians, worker 0):", split_lines)
     if len(breakdown_lines) > 2:
-        print()
-        print("Where ks.MultiWorkerMirroredStrategy's train step spends its time on worker 0 (mean ms/step over one "
-              "more epoch, each piece timed to completion; cf. `_breakdown`):")
-        print()
-        print("\n".join(breakdown_lines))
+        _print_table("Where ks.MultiWorkerMirroredStrategy's train step spends its time on worker 0 (mean ms/step "
+                     "over one more epoch, each piece timed to completion; cf. `_breakdown`):", breakdown_lines)
     if errors:
         print("\nErrors:\n" + "\n".join(errors))
     return 1 if errors else 0
