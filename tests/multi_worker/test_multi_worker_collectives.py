@@ -39,6 +39,13 @@ def test_kept_values_are_summed_exactly_and_left_unchanged(results):
             np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_results_held_by_the_caller_survive_later_sums(results):
+    _, workers = results
+    for worker in workers:
+        for i, expected in enumerate(_expected()):
+            np.testing.assert_allclose(worker[f"held_{i}"], expected, rtol=1e-6, atol=1e-6)
+
+
 def test_donated_values_are_summed_once_even_when_given_twice(results):
     _, workers = results
     expected = _expected()

@@ -58,27 +58,67 @@ def _in_place_candidates(tensors: list, donated: list) -> list:
     ]
 
 
+class _PackBuffers:
+    """Pack buffers reused across calls, each only while no earlier result still uses it.
+
+    A fresh CPU tensor of a megabyte or more is new memory from the OS, paid
+    for in page faults on every call (measured with gloo on loopback: a 1 MB
+    all-reduce from a fresh pack ran at ~0.7 of the raw rate, from a reused
+    one at ~1.0). The results are views of the pack, so a buffer is taken
+    again only when nothing else refers to its memory: results stay valid for
+    as long as the caller holds them, and are never overwritten.
+    """
+
+    PER_SIZE = 4  # buffers kept per (dtype, size); more live results get fresh ones
+
+    def __init__(self) -> None:
+        self._kept: dict = {}  # (dtype, numel) -> [(buffer, its storage use count when unused)]
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        kept = self._kept.setdefault((dtype, numel), [])
+        for buffer, unused in kept:
+            if _storage_uses(buffer) == unused:
+                return buffer
+        buffer = torch.empty(numel, dtype=dtype)
+        uses = _storage_uses(buffer)
+        if uses is not None and len(kept) < self.PER_SIZE:
+            kept.append((buffer, uses))
+        return buffer
+
+
+def _storage_uses(tensor: torch.Tensor) -> Optional[int]:
+    """How many tensors share `tensor`'s memory (None where torch does not tell: never reused)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if use_count is None else use_count(tensor.untyped_storage()._cdata)
+
+
 def all_reduce_sum(values: list, donated: Any = False) -> list:
     """Element-wise sums of `values` over all workers (same shapes and dtypes on every worker).
 
-    Small tensors go in one packed gloo all-reduce per dtype. With
-    `donated=True` the caller gives up `values`: large ones are then summed in
-    place, with no copy (the train step donates its gradients). `donated` is
-    a bool for all values or one bool per value.
+    Small tensors go in one packed gloo all-reduce per dtype, in a reused
+    buffer. With `donated=True` the caller gives up `values`: large ones are
+    then summed in place, with no copy (the train step donates its
+    gradients). `donated` is a bool for all values or one bool per value.
+    The packs are sent first: while the large tensors stream, their short
+    round trips are already done.
     """
     originals = [torch.as_tensor(v) for v in values]
     tensors = [t.detach().cpu() for t in originals]
     alone, groups = packing.plan([t.dtype for t in tensors], [t.numel() * t.element_size() for t in tensors],
                                  _in_place_candidates(tensors, packing.per_value(donated, len(tensors))))
-    pending = [dist.all_reduce(tensors[i], op=dist.ReduceOp.SUM, async_op=True) for i in alone]
-    outputs: list = [None] * len(tensors)
+    buffers = _state.setdefault("packs", _PackBuffers())
+    packs = []
     for group in groups:
-        flat = torch.cat([tensors[i].reshape(-1) for i in group])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        for i, piece in zip(group, flat.split([tensors[i].numel() for i in group])):
-            outputs[i] = piece.view(tensors[i].shape)
+        flat = buffers.take(tensors[group[0]].dtype, sum(tensors[i].numel() for i in group))
+        torch.cat([tensors[i].reshape(-1) for i in group], out=flat)
+        packs.append(flat)
+    pending = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in packs + [tensors[i] for i in alone]]
     for work in pending:
         work.wait()
+    outputs: list = [None] * len(tensors)
+    for group, flat in zip(groups, packs):
+        for i, piece in zip(group, flat.split([tensors[i].numel() for i in group])):
+            outputs[i] = piece.view(tensors[i].shape)
     for i in alone:
         outputs[i] = tensors[i]
     return [out.to(original.device) for out, original in zip(outputs, originals)]

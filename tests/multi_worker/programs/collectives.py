@@ -30,6 +30,14 @@ results["inputs_unchanged"] = all(np.array_equal(ops.convert_to_numpy(t), b) for
 for i, value in enumerate(kept):
     results[f"kept_{i}"] = ops.convert_to_numpy(value)
 
+# Results held while more sums of the same shapes run (the engines may reuse their
+# buffers, but never under a live result): the first results must not change.
+held = strategy.extended._cross_worker_sum([ops.convert_to_tensor(v) for v in collective_values(task_id)], "held")
+for _ in range(3):
+    strategy.extended._cross_worker_sum([ops.convert_to_tensor(v * 3) for v in collective_values(task_id)], "later")
+for i, value in enumerate(held):
+    results[f"held_{i}"] = ops.convert_to_numpy(value)
+
 # Donated, with the first (large) tensor given twice: shared memory must not be summed twice.
 donated_inputs = [ops.convert_to_tensor(v) for v in collective_values(task_id)]
 donated_inputs.append(donated_inputs[0])
