@@ -33,7 +33,7 @@ batch 256, so 128 rows per worker). Per backend it measures:
    - JAX: a jitted sum over a one-device-per-process mesh of a prebuilt global
      array (`jax.make_array_from_single_device_arrays`),
    - PyTorch: `torch.distributed.all_reduce` (gloo) of one flat tensor.
-   Ours and raw alternate in blocks, the same sequence on both workers.
+   Ours and raw alternate call by call, the same sequence on both workers.
    Reported: median ms per all-reduce, the payload rate (MB of payload / s) and
    the ratio ours_rate / raw_rate (target >= 0.9). Also: ours on ~1 MB float32
    plus 256 targets as float32 vs as int32 (the engines run one collective per
@@ -552,24 +552,28 @@ def _packed(backend: str, arrays: list):
     return run
 
 
-def _interleaved(fns: dict, iters: int, blocks: int) -> dict:
-    """Seconds per call of each function: 3 warm-up calls each, then alternating blocks (same order on every worker)."""
+def _interleaved(fns: dict, iters: int) -> dict:
+    """Seconds per call of each function: 3 warm-up calls each, then `iters` rounds of one call each.
+
+    The functions alternate call by call, and the one that starts a round
+    rotates, so slow drifts of the machine (load, frequency, memory) fall on
+    all of them alike. Every worker runs the same sequence.
+    """
     for fn in fns.values():
         for _ in range(3):  # tracing, compilation, connections
             fn()
     times: dict = {name: [] for name in fns}
     names = list(fns)
-    per_block = max(1, iters // blocks)
-    for block in range(blocks):
-        for name in (names if block % 2 == 0 else names[::-1]):
-            for _ in range(per_block):
-                start = time.perf_counter()
-                fns[name]()
-                times[name].append(time.perf_counter() - start)
+    for round_ in range(iters):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
     return times
 
 
-def _all_reduce_bench(backend: str, strategy, iters: int, blocks: int) -> tuple[list, dict]:
+def _all_reduce_bench(backend: str, strategy, iters: int) -> tuple[list, dict]:
     import numpy as np
 
     rows = []
@@ -581,7 +585,7 @@ def _all_reduce_bench(backend: str, strategy, iters: int, blocks: int) -> tuple[
         times = _interleaved(
             {"ours": _ours(backend, strategy, arrays), "kept": _ours(backend, strategy, arrays, donated=False),
              "raw": _raw(backend, total), "packed": _packed(backend, arrays)},
-            iters, blocks,
+            iters,
         )
         row = {"payload_mb": nbytes / 2**20, "tensors": len(shapes), "iterations": len(times["ours"])}
         for name in ("ours", "kept", "raw", "packed"):
@@ -600,7 +604,7 @@ def _all_reduce_bench(backend: str, strategy, iters: int, blocks: int) -> tuple[
             "one_dtype": _ours(backend, strategy, arrays + [np.zeros((GLOBAL_BATCH,), "float32")]),
             "two_dtypes": _ours(backend, strategy, arrays + [np.zeros((GLOBAL_BATCH,), "int32")]),
         },
-        iters, blocks,
+        iters,
     )
     split = {f"{name}_ms": statistics.median(values) * 1e3 for name, values in times.items()}
     return rows, split
@@ -634,7 +638,7 @@ def run_job(args) -> None:
             result["breakdown_ms"] = _breakdown(keras, model, strategy, x, y, args.backend)
         if args.allreduce_iters:
             result["allreduce"], result["dtype_split"] = _all_reduce_bench(
-                args.backend, strategy, args.allreduce_iters, args.blocks
+                args.backend, strategy, args.allreduce_iters
             )
     else:
         joined = time.perf_counter()
@@ -661,7 +665,7 @@ def launch_job(backend: str, mode: str, args) -> dict:
     job_args = [
         "--job", "--backend", backend, "--mode", mode, "--steps", str(args.steps), "--epochs", str(args.epochs),
         "--threads", str(args.threads), "--allreduce-iters", str(args.allreduce_iters if mode == "ks" else 0),
-        "--blocks", str(args.blocks), "--breakdown", str(int(args.breakdown)),
+        "--breakdown", str(int(args.breakdown)),
     ] + (["--source", args.source] if args.source and mode == "ks" else [])
     out, err = io.StringIO(), io.StringIO()
     start = time.perf_counter()
@@ -867,7 +871,6 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="measured epochs after the warm-up epoch (default 2)")
     parser.add_argument("--allreduce-iters", type=int, default=80,
                         help="all-reduce iterations per payload and side (default 80; 0 = skip)")
-    parser.add_argument("--blocks", type=int, default=8, help="alternating ours/raw blocks (default 8)")
     parser.add_argument("--breakdown", type=int, default=1, choices=(0, 1),
                         help="ks jobs: afterwards, time the pieces of ks's train step over one more epoch (default 1)")
     parser.add_argument("--quick", action="store_true", help="parent: 20 steps x 1 measured epoch, 20 all-reduces")
