@@ -4,7 +4,8 @@ Replica shards may carry padding rows (equal shapes for SPMD, or a placeholder
 row for an empty replica); their statistics must ignore them. With
 `synchronized=True` the statistics are those of the whole global batch, summed
 over replicas with the strategy's collectives, on every backend (Keras itself
-synchronises only on TensorFlow). Outside a multi-replica step Keras' own code
+synchronises only on TensorFlow), across workers too under
+MultiWorkerMirroredStrategy. Outside a multi-replica step Keras' own code
 runs unchanged.
 """
 
@@ -18,7 +19,6 @@ from keras.src.layers.normalization import batch_normalization as keras_bn
 
 from keras_strategies import context
 from keras_strategies.backend import engine
-from keras_strategies.reduce_op import ReduceOp
 
 
 def _broadcast_rows(row_mask: Any, inputs: Any, dtype: str) -> Any:
@@ -26,9 +26,9 @@ def _broadcast_rows(row_mask: Any, inputs: Any, dtype: str) -> Any:
     return ops.broadcast_to(ops.reshape(ops.cast(row_mask, dtype), shape), ops.shape(inputs))
 
 
-def _local_sum(replica_context: Any, value: Any) -> Any:
-    """Sums over this worker's replicas (statistics are synchronised within a worker)."""
-    return replica_context.strategy.extended._local_all_reduce(replica_context, ReduceOp.SUM, value)
+def _global_sum(replica_context: Any, value: Any) -> Any:
+    """Sums over every replica of every worker (differentiable)."""
+    return replica_context.strategy.extended._synchronized_sum(replica_context, value)
 
 
 def _replica_moments(layer: Any, inputs: Any, mask: Any, replica_context: Any, synchronized: bool):
@@ -41,12 +41,12 @@ def _replica_moments(layer: Any, inputs: Any, mask: Any, replica_context: Any, s
     total = ops.sum(values * weights, axes, keepdims=True)
     count = ops.sum(weights, axes, keepdims=True)
     if synchronized:
-        total, count = _local_sum(replica_context, [total, count])
+        total, count = _global_sum(replica_context, [total, count])
     count = ops.maximum(count, ops.ones_like(count))  # an all-padding shard: no NaN
     mean = total / count
     squares = ops.sum(ops.square((values - mean) * weights), axes, keepdims=True)
     if synchronized:
-        squares = _local_sum(replica_context, squares)
+        squares = _global_sum(replica_context, squares)
     variance = squares / count
     return ops.cast(ops.squeeze(mean), inputs.dtype), ops.cast(ops.squeeze(variance), inputs.dtype)
 

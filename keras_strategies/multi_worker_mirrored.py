@@ -11,6 +11,7 @@ applies the same update, so all workers hold identical weights.
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -84,12 +85,19 @@ class MultiWorkerMirroredExtended(MirroredExtended):
     def _in_multi_worker_mode(self) -> bool:
         return self._cluster.num_workers > 1
 
+    def _every_workers(self, numbers: list, what: str) -> np.ndarray:
+        """`numbers` of every worker, one row per worker (an all-reduce of rows only one worker fills)."""
+        rows = np.zeros((self._cluster.num_workers, len(numbers)), "float32")
+        rows[self._cluster.worker_index] = numbers
+        return _to_numpy(self._cross_worker_sum([rows], what)[0])
+
+    def _described(self, rows: np.ndarray, unit: Callable[[np.ndarray], str]) -> str:
+        return ", ".join(f"{self._cluster.names[i]}: {unit(row)}" for i, row in enumerate(rows))
+
     def _check_same_devices(self) -> None:
-        counts = np.zeros((self._cluster.num_workers,), "float32")
-        counts[self._cluster.worker_index] = len(self._devices)
-        counts = _to_numpy(self._cross_worker_sum([counts], "device count check")[0])
-        if len(set(counts.tolist())) != 1:
-            described = ", ".join(f"{self._cluster.names[i]}: {int(c)}" for i, c in enumerate(counts))
+        counts = self._every_workers([len(self._devices)], "device count check")
+        if len(set(counts[:, 0].tolist())) != 1:
+            described = self._described(counts, lambda row: str(int(row[0])))
             raise ValueError(
                 f"Every worker must have the same number of replica devices; got {described}. "
                 "Give each worker the same devices (e.g. KERAS_STRATEGIES_CPU_DEVICES)."
@@ -146,6 +154,15 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             return tree.pack_sequence_as(per_replica[0], summed)
 
         return self._local_then_merge(total, value)
+
+    def _synchronized_sum(self, replica_context, value):
+        if self._cluster.num_workers == 1:
+            return super()._synchronized_sum(replica_context, value)
+        leaves = tree.flatten(value)
+        summed = engine.replicas.global_sum(
+            leaves, lambda values: self._cross_worker_sum(values, "synchronized BatchNormalization")
+        )
+        return tree.pack_sequence_as(value, summed)
 
     def _all_gather(self, replica_context, value, axis):
         if self._cluster.num_workers == 1:
@@ -206,9 +223,21 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         if self._cluster.num_workers == 1 or engine.collectives.tracing() or not (force or self._new_variables):
             return
         self._new_variables = False
+        # Variables of dropped models may wait for the cyclic garbage collector, whose timing
+        # differs between workers: collect them first, so that every worker sends the same list.
+        gc.collect()
         fresh = [v for v in self._scope_variables() if force or self._synced.get(id(v), lambda: None)() is not v]
         if not fresh:
             return
+        signatures = self._every_workers([len(fresh), sum(int(np.prod(v.shape)) for v in fresh)],
+                                         "variable list check")
+        if len({tuple(row) for row in signatures.tolist()}) != 1:
+            described = self._described(signatures, lambda row: f"{int(row[0])} variable(s), {int(row[1])} values")
+            raise RuntimeError(
+                f"The workers created different variables in the strategy scope ({described}). Every "
+                "worker must run the same program and build the same models and optimizers, in the "
+                "same order."
+            )
         chief = self._cluster.is_chief
         values = [_to_numpy(v.value) if chief else np.zeros(v.shape, _to_numpy(v.value).dtype) for v in fresh]
         summed = self._cross_worker_sum(values, "broadcast of the chief's initial values")

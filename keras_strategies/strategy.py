@@ -132,6 +132,11 @@ class StrategyExtended:
         """All-reduce over this worker's replicas only (inside one compiled replica program)."""
         return self._all_reduce(replica_context, reduce_op, value)
 
+    def _synchronized_sum(self, replica_context: "context.ReplicaContext", value: Any) -> Any:
+        """Sum over every replica of every worker inside a replica program, differentiable
+        (the statistics of synchronized BatchNormalization)."""
+        return self._local_all_reduce(replica_context, ReduceOp.SUM, value)
+
     # --- workers (multi-worker strategies override) -------------------------------
     @property
     def _num_workers(self) -> int:

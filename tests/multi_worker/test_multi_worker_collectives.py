@@ -67,3 +67,11 @@ def test_a_model_with_a_large_gradient_trains_like_one_process(results):
             np.testing.assert_allclose(worker[f"weights_{i}"], weight, rtol=1e-5, atol=1e-5)
         for key in ("loss", "mae", "evaluate", "predict"):
             np.testing.assert_allclose(worker[key], np.asarray(reference[key]), rtol=1e-5, atol=1e-5)
+
+
+def test_workers_with_different_variables_get_a_clear_error(results):
+    _, workers = results
+    for worker in workers:
+        message = str(worker["different_variables_error"])
+        assert "created different variables" in message, message
+        assert "worker 0: 1 variable(s), 3 values, worker 1: 2 variable(s), 6 values" in message, message

@@ -16,7 +16,9 @@ import keras_strategies as ks
 from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
-from common import GLOBAL_BATCH, build_model, build_own_steps_model, data, guide_loop, keras_run  # noqa: E402
+from common import (  # noqa: E402
+    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, data, guide_loop, keras_run,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -39,13 +41,16 @@ def run(request, tmp_path_factory):
 
 def test_every_worker_holds_identical_weights(run):
     _, _, (first, second) = run
-    for key in ("fit_weights", "loop_weights", "shuffled_weights", "own_weights"):
+    for key in ("fit_weights", "loop_weights", "shuffled_weights", "own_weights", "bn_weights"):
         for a, b in zip(_weights(first, key), _weights(second, key)):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("name, build", [("fit", build_model), ("own", build_own_steps_model)],
-                         ids=["Keras steps", "model's own steps"])
+@pytest.mark.parametrize(
+    "name, build",
+    [("fit", build_model), ("own", build_own_steps_model), ("bn", build_sync_bn_model)],
+    ids=["Keras steps", "model's own steps", "synchronized BatchNormalization"],
+)
 def test_fit_evaluate_predict_equal_a_single_process_run(run, name, build):
     out, _, results = run
     model = build()

@@ -9,11 +9,13 @@ pass a mask (see `EQUAL_SHARDS`).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
@@ -26,7 +28,7 @@ EQUAL_SHARDS = True
 NATIVE_SYNC_BATCH_NORM = False
 AXIS = "replica"
 
-_in_replica_program = {"active": False}
+_in_replica_program = {"active": False, "devices": 1}
 
 
 def _on_device_of(values: list, reference: Any) -> list:
@@ -47,6 +49,74 @@ def all_reduce_sum(value: Any) -> Any:
     for other in values[1:]:
         total = total + other
     return total
+
+
+class _HostSum:
+    """Where the devices of a replica program meet to sum across workers, from a host callback.
+
+    Each device's callback brings its replica's values; the last to arrive
+    adds them in replica order, runs the cross-worker sum once, and every
+    device returns the result. One object per call site in the program; it
+    serves every execution of that program.
+    """
+
+    def __init__(self, devices: int, cross_worker: Callable[[list], list]):
+        self._devices, self._cross_worker = devices, cross_worker
+        self._condition = threading.Condition()
+        self._arrived: dict = {}
+        self._generation = 0
+        self._outcome: Any = None
+
+    def __call__(self, replica_id: Any, *leaves: Any) -> list:
+        with self._condition:
+            generation = self._generation
+            self._arrived[int(replica_id)] = [np.asarray(leaf) for leaf in leaves]
+            if len(self._arrived) == self._devices:
+                per_replica = [self._arrived[i] for i in sorted(self._arrived)]
+                self._arrived = {}
+                try:
+                    totals = self._cross_worker([sum(parts[1:], parts[0]) for parts in zip(*per_replica)])
+                    self._outcome = [np.asarray(t).astype(l.dtype) for t, l in zip(totals, per_replica[0])]
+                except BaseException as error:  # noqa: BLE001 - every device raises it
+                    self._outcome = error
+                self._generation += 1
+                self._condition.notify_all()
+            else:
+                while self._generation == generation:
+                    self._condition.wait()
+            if isinstance(self._outcome, BaseException):
+                raise self._outcome
+            return self._outcome
+
+    def run(self, leaves: Sequence[Any]) -> list:
+        shapes = [jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves]
+        # Ordered: every worker's program makes its cross-worker sums in the same order.
+        return io_callback(self, shapes, jax.lax.axis_index(AXIS), *leaves, ordered=True)
+
+
+def global_sum(values: list, cross_worker: Callable[[list], list]) -> list:
+    """Sums of `values` over every replica of every worker (inside a replica function).
+
+    `cross_worker(arrays)` sums a list over the workers, eagerly. In a
+    compiled replica program it runs from a host callback, and the sum is
+    differentiable: its gradient is the same global sum of the incoming
+    gradients (synchronized BatchNormalization across workers). Between
+    eager replica threads it is not differentiable, like `all_reduce_sum`.
+    """
+    if not _in_replica_program["active"]:
+        return replica_threads.merge_call(
+            lambda per_replica: cross_worker([sum(leaves[1:], leaves[0]) for leaves in zip(*per_replica)]),
+            [jnp.asarray(v) for v in values],
+        )
+    forward = _HostSum(_in_replica_program["devices"], cross_worker)
+    backward = _HostSum(_in_replica_program["devices"], cross_worker)
+
+    @jax.custom_vjp
+    def total(*leaves):
+        return forward.run(leaves)
+
+    total.defvjp(lambda *leaves: (forward.run(leaves), None), lambda _, grads: tuple(backward.run(grads)))
+    return list(total(*[jnp.asarray(v) for v in values]))
 
 
 def all_gather(value: Any, axis: int) -> Any:
@@ -134,7 +204,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Cal
 
     def body(shared, stacked):
         own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], stacked)
-        _in_replica_program["active"] = True
+        _in_replica_program.update(active=True, devices=len(devices))
         try:
             outputs = fn(jax.lax.axis_index(AXIS), *shared, *own)
         finally:

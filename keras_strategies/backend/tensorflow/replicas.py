@@ -44,6 +44,25 @@ def all_reduce_sum(value: Any) -> Any:
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
+def global_sum(values: list, cross_worker: Callable[[list], list]) -> list:
+    """Sums of `values` over every replica of every worker, differentiable (inside a replica function).
+
+    The local sum is TensorFlow's all-reduce (its gradient is the all-reduce
+    of the gradients); the cross-worker part, `cross_worker(tensors)`, gets
+    the same rule: synchronized BatchNormalization across workers.
+    """
+    local = all_reduce_sum(list(values))
+
+    @tf.custom_gradient
+    def across(*tensors):
+        def grad(*upstream):
+            return cross_worker([tf.zeros_like(t) if g is None else g for g, t in zip(upstream, tensors)])
+
+        return cross_worker(list(tensors)), grad
+
+    return list(across(*local))
+
+
 def all_gather(value: Any, axis: int) -> Any:
     """`value` of every replica concatenated along `axis` (shard sizes may differ)."""
     context = tf.distribute.get_replica_context()

@@ -38,6 +38,38 @@ class _AllReduceSum(torch.autograd.Function):
         return _sum_on(replica_threads.exchange(grad.contiguous()), grad.device)
 
 
+class _GlobalSum(torch.autograd.Function):
+    """Sums over every replica of every worker; the gradient is the same sum of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, cross_worker, *tensors):  # noqa: D102
+        ctx.cross_worker = cross_worker
+        return tuple(_merged_global_sum([t.detach() for t in tensors], cross_worker))
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        return (None,) + tuple(_merged_global_sum([g.contiguous() for g in grads], ctx.cross_worker))
+
+
+def _merged_global_sum(tensors: list, cross_worker: Callable[[list], list]) -> list:
+    """This worker's replicas add their tensors, one cross-worker sum runs, every replica gets a copy."""
+    summed = replica_threads.merge_call(
+        lambda per_replica: cross_worker([_sum_on(leaves, leaves[0].device) for leaves in zip(*per_replica)]),
+        tensors,
+    )
+    return [total.to(t.device, copy=True) for total, t in zip(summed, tensors)]
+
+
+def global_sum(values: list, cross_worker: Callable[[list], list]) -> list:
+    """Sums of `values` over every replica of every worker, differentiable (inside a replica function).
+
+    `cross_worker(tensors)` sums a list over the workers. Its gradient is the
+    same global sum, as for `all_reduce_sum`: synchronized BatchNormalization
+    across workers.
+    """
+    return list(_GlobalSum.apply(cross_worker, *[torch.as_tensor(v) for v in values]))
+
+
 def all_reduce_sum(value: Any) -> Any:
     """Sum of `value` over the replicas of the current run (inside a replica function)."""
     group, _ = replica_threads.current()

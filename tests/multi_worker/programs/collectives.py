@@ -58,4 +58,14 @@ for key, value in keras_run(model, x, y).items():
     else:
         results[key] = np.asarray(value)
 
+# Last: workers that create different variables get a clear error on every worker, not a
+# collective mismatch inside the backend.
+with strategy.scope():
+    extra = [keras.Variable(np.zeros((3,), "float32")) for _ in range(1 + task_id)]
+try:
+    strategy.run(lambda: 0)
+    results["different_variables_error"] = ""
+except RuntimeError as error:
+    results["different_variables_error"] = str(error)
+
 np.savez(os.path.join(out, f"worker_{task_id}.npz"), **results)

@@ -24,6 +24,20 @@ def build_model():
     return model
 
 
+def build_sync_bn_model():
+    """Batch statistics over the whole global batch, i.e. over every replica of every worker."""
+    model = keras.Sequential([
+        keras.Input((5,)),
+        # No bias before BatchNormalization: its gradient is rounding noise, which Adam would amplify.
+        keras.layers.Dense(8, use_bias=False),
+        keras.layers.BatchNormalization(synchronized=True),
+        keras.layers.Activation("tanh"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
 class OwnSteps(keras.Model):
     """Overrides every step and defers to Keras' own (the signature differs per backend)."""
 

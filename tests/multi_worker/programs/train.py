@@ -19,7 +19,9 @@ import tensorflow as tf  # noqa: E402
 from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import GLOBAL_BATCH, build_model, build_own_steps_model, data, guide_loop, keras_run  # noqa: E402
+from common import (  # noqa: E402
+    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, data, guide_loop, keras_run,
+)  # noqa: E402
 
 out = sys.argv[1]
 task_id = strategy.cluster_resolver.task_id
@@ -55,6 +57,9 @@ results["loop_weights"] = loop_model.get_weights()
 
 # A model with its own train_step / test_step / predict_step (run per replica).
 run_keras("own", build_own_steps_model)
+
+# Synchronized BatchNormalization: statistics of the global batch, across workers.
+run_keras("bn", build_sync_bn_model)
 
 # Collectives from strategy.run: all_reduce and gather over every replica of every worker.
 def replica_fn():
