@@ -34,6 +34,10 @@ def initialize(cluster: Any, options: Any) -> None:
     if not dist.is_initialized():
         dist.init_process_group(backend, store=store, rank=cluster.worker_index,
                                 world_size=cluster.num_workers, timeout=timeout)
+    # A second gloo group: large tensors are spread over both, whose connections and I/O
+    # threads then carry data in parallel (measured on loopback: 16 MB in 10 tensors went
+    # from ~0.9 to ~1.05 of one pre-flattened all-reduce's rate).
+    _state["groups"] = [None, dist.new_group(list(range(cluster.num_workers)), backend="gloo", timeout=timeout)]
     # A second client for heartbeats, so they never queue behind a blocked collective.
     _state["store"] = dist.TCPStore(host, port, cluster.num_workers, is_master=False,
                                     timeout=datetime.timedelta(seconds=5))
@@ -92,6 +96,19 @@ def _storage_uses(tensor: torch.Tensor) -> Optional[int]:
     return None if use_count is None else use_count(tensor.untyped_storage()._cdata)
 
 
+def _spread(tensors: list) -> list:
+    """`(tensor, group)` pairs: each tensor goes to the group with the fewest bytes so far (the
+    same choice on every worker, as the plan is the same)."""
+    groups = _state.get("groups", [None])
+    loads = [0] * len(groups)
+    pairs = []
+    for tensor in tensors:
+        least = min(range(len(groups)), key=loads.__getitem__)
+        loads[least] += tensor.numel() * tensor.element_size()
+        pairs.append((tensor, groups[least]))
+    return pairs
+
+
 def all_reduce_sum(values: list, donated: Any = False) -> list:
     """Element-wise sums of `values` over all workers (same shapes and dtypes on every worker).
 
@@ -100,7 +117,8 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     then summed in place, with no copy (the train step donates its
     gradients). `donated` is a bool for all values or one bool per value.
     The packs are sent first: while the large tensors stream, their short
-    round trips are already done.
+    round trips are already done. The collectives are spread over two gloo
+    groups, which run in parallel.
     """
     originals = [torch.as_tensor(v) for v in values]
     tensors = [t.detach().cpu() for t in originals]
@@ -112,7 +130,8 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
         flat = buffers.take(tensors[group[0]].dtype, sum(tensors[i].numel() for i in group))
         torch.cat([tensors[i].reshape(-1) for i in group], out=flat)
         packs.append(flat)
-    pending = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in packs + [tensors[i] for i in alone]]
+    pending = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True, group=group)
+               for t, group in _spread(packs + [tensors[i] for i in alone])]
     for work in pending:
         work.wait()
     outputs: list = [None] * len(tensors)
