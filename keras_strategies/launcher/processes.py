@@ -1,8 +1,13 @@
 """Worker processes: own process group, line-prefixed output, exit notification.
 
-Each worker runs in its own session/process group so that stopping it also
-stops anything it started (data loaders, backend helper processes): the
-launcher signals the whole group, and no grandchild outlives the job.
+Each worker runs in its own process group so that stopping it also stops
+anything it started (data loaders, backend helper processes): the launcher
+signals the whole group, and no grandchild outlives the job. The groups stay
+in the launcher's session: Linux's scheduler (autogroup) shares the CPU
+between sessions, and workers in sessions of their own made every hand-off
+between a collective's threads slower (measured: a 16 MB all-reduce in 10
+tensors at 0.84-0.93 of one flat all-reduce's rate with a session per
+worker, 0.99-1.13 in one session).
 """
 
 from __future__ import annotations
@@ -91,8 +96,10 @@ class WorkerProcess:
     ) -> None:
         self.name = name
         self.returncode: int | None = None
-        if _POSIX:
-            group = {"start_new_session": True}
+        if _POSIX and sys.version_info >= (3, 11):
+            group = {"process_group": 0}
+        elif _POSIX:  # pragma: no cover - Python 3.10
+            group = {"preexec_fn": os.setpgrp}
         else:  # pragma: no cover - Windows
             group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}
         self.process = subprocess.Popen(
