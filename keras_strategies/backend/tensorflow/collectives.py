@@ -65,17 +65,33 @@ def initialize(cluster: Any, options: Any) -> None:
 
 
 def _packed_all_reduce(tensors: list) -> list:
-    """One collective per pack of same-dtype tensors (graph mode, where TF packs)."""
+    """One collective per pack (graph mode, where TF packs).
+
+    Packs are per dtype. With `bytes_per_pack` TF splits them by size;
+    without, tensors of at least `packing.SEPARATE_BYTES` go alone (no copy
+    into a pack and out of it) and the rest share one pack.
+    """
     from tensorflow.python.distribute import cross_device_utils
 
     launcher, bytes_per_pack = _state["launcher"], _state["bytes_per_pack"]
-    outputs: list = [None] * len(tensors)
+    order: list = []
+    packs: list = []
     for indices in packing.group_by_dtype(tensors):
-        group = [tensors[i] for i in indices]
-        packs = cross_device_utils.group_by_size(group, bytes_per_pack) if bytes_per_pack else [group]
-        reduced = launcher.batch_all_reduce(packs)
-        for i, value in zip(indices, reduced):
-            outputs[i] = value
+        if bytes_per_pack:
+            group = [tensors[i] for i in indices]
+            for pack in cross_device_utils.group_by_size(group, bytes_per_pack):
+                packs.append(pack)
+            order.extend(indices)
+            continue
+        sizes = [(tensors[i].shape.num_elements() or 0) * tensors[i].dtype.size for i in indices]
+        alone, rest = packing.plan([tensors[i].dtype for i in indices], sizes,
+                                   [tensors[i].shape.is_fully_defined() for i in indices])
+        for group in [[k] for k in alone] + rest:
+            packs.append([tensors[indices[k]] for k in group])
+            order.extend(indices[k] for k in group)
+    outputs: list = [None] * len(tensors)
+    for i, value in zip(order, launcher.batch_all_reduce(packs)):
+        outputs[i] = value
     return outputs
 
 
