@@ -57,7 +57,8 @@ WORKER = textwrap.dedent(
         keys = ["KERAS_BACKEND", "KERAS_STRATEGIES_CPU_DEVICES", "PYTHONUNBUFFERED",
                 "KERAS_STRATEGIES_LAUNCHED", "EXTRA", "UNSET_ME"]
         print(json.dumps({"config": config, "argv": sys.argv[2:],
-                          "env": {k: os.environ.get(k) for k in keys}}))
+                          "env": {k: os.environ.get(k) for k in keys},
+                          "pid": os.getpid(), "group": os.getpgid(0), "session": os.getsid(0)}))
         print("a line on stderr", file=sys.stderr)
     elif do == "chatter":  # many lines, each written in pieces
         for i in range(step["lines"]):
@@ -204,6 +205,18 @@ def test_two_workers_succeed_with_prefixed_lines_and_their_own_tf_config(job):
     for index in (0, 1):
         assert reports[f"worker {index}"]["config"]["task"] == {"type": "worker", "index": index}
     assert _by_task(err) == {"worker 0": ["a line on stderr"], "worker 1": ["a line on stderr"]}
+
+
+def test_each_worker_has_its_own_process_group_in_the_launchers_session(job):
+    # Own group: stopping a worker stops its children. Same session: Linux shares the CPU
+    # between sessions (autogroup), which slowed the workers' collectives.
+    code, out, err, _ = _run(job, {"*": {"do": "report"}}, workers=2)
+    assert code == 0, err
+    reports = [json.loads(lines[0]) for lines in _by_task(out).values()]
+    assert len(reports) == 2
+    for report in reports:
+        assert report["group"] == report["pid"]
+        assert report["session"] == os.getsid(0)
 
 
 def test_chief_layout(job):
