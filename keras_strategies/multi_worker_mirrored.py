@@ -85,7 +85,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
     def _in_multi_worker_mode(self) -> bool:
         return self._cluster.num_workers > 1
 
-    def _every_workers(self, numbers: list, what: str) -> np.ndarray:
+    def _rows_from_every_worker(self, numbers: list, what: str) -> np.ndarray:
         """`numbers` of every worker, one row per worker (an all-reduce of rows only one worker fills)."""
         rows = np.zeros((self._cluster.num_workers, len(numbers)), "float32")
         rows[self._cluster.worker_index] = numbers
@@ -95,7 +95,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         return ", ".join(f"{self._cluster.names[i]}: {unit(row)}" for i, row in enumerate(rows))
 
     def _check_same_devices(self) -> None:
-        counts = self._every_workers([len(self._devices)], "device count check")
+        counts = self._rows_from_every_worker([len(self._devices)], "device count check")
         if len(set(counts[:, 0].tolist())) != 1:
             described = self._described(counts, lambda row: str(int(row[0])))
             raise ValueError(
@@ -229,8 +229,9 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         fresh = [v for v in self._scope_variables() if force or self._synced.get(id(v), lambda: None)() is not v]
         if not fresh:
             return
-        signatures = self._every_workers([len(fresh), sum(int(np.prod(v.shape)) for v in fresh)],
-                                         "variable list check")
+        signatures = self._rows_from_every_worker(
+            [len(fresh), sum(int(np.prod(v.shape)) for v in fresh)], "variable list check"
+        )
         if len({tuple(row) for row in signatures.tolist()}) != 1:
             described = self._described(signatures, lambda row: f"{int(row[0])} variable(s), {int(row[1])} values")
             raise RuntimeError(
