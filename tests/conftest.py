@@ -17,6 +17,9 @@ import keras_strategies  # noqa: E402,F401  (applies the device count)
 
 BACKEND = keras.backend.backend()
 
+# An engine's own tests (tests/backend/<name>/) run in that backend's run only.
+collect_ignore_glob = [f"backend/{name}/*" for name in ("jax", "tensorflow", "torch") if name != BACKEND]
+
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():

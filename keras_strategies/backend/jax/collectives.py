@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import distributed, xla_bridge
+from jax._src import array as jax_array
+from jax._src import core, distributed, xla_bridge
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,8 +55,6 @@ def initialize(cluster: Any, options: Any) -> None:
 
 def tracing() -> bool:
     """True while JAX traces a function: host collectives cannot run there."""
-    from jax._src import core
-
     return not core.trace_state_clean()
 
 
@@ -94,6 +93,27 @@ def _sum_program(shapes: tuple, dtypes: tuple) -> Callable:
     return program
 
 
+def _worker_block(block: jax.Array) -> jax.Array:
+    """`block` as this worker's block of a global array split over the workers (no copy).
+
+    What `jax.make_array_from_single_device_arrays` does, without its checks
+    and with the abstract value cached per shape: for ten gradients that
+    function took ~0.3 ms on a loaded 2-core machine, a tenth of a whole 1 MB
+    all-reduce. Falls back to it if JAX's internals change.
+    """
+    key = (block.shape, block.dtype)
+    avals = _state.setdefault("avals", {})
+    aval = avals.get(key)
+    split = _state["split"]
+    global_shape = (len(_state["mesh"].devices) * block.shape[0],) + tuple(block.shape[1:])
+    try:
+        if aval is None:
+            aval = avals[key] = core.update_aval_with_sharding(core.ShapedArray(global_shape, block.dtype), split)
+        return jax_array.ArrayImpl(aval, split, [block], committed=True, _skip_checks=True)
+    except (AttributeError, TypeError):
+        return jax.make_array_from_single_device_arrays(global_shape, split, [block])
+
+
 def all_reduce_sum(values: list, donated: Any = False) -> list:
     """Element-wise sums of `values` over all workers: one compiled all-reduce (eager only).
 
@@ -106,14 +126,10 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
             "Cross-worker collectives cannot run inside a compiled JAX function: call them "
             "eagerly (a custom training loop on JAX runs `strategy.run` eagerly)."
         )
-    device, workers = _state["device"], len(_state["mesh"].devices)
+    device = _state["device"]
     local = [v if isinstance(v, jax.Array) and v.devices() == {device} else jax.device_put(v, device) for v in values]
     shapes = tuple(tuple(a.shape) for a in local)
-    blocks = [a if a.ndim else jnp.reshape(a, (1,)) for a in local]
-    global_arrays = [
-        jax.make_array_from_single_device_arrays((workers * b.shape[0],) + b.shape[1:], _state["split"], [b])
-        for b in blocks
-    ]
+    global_arrays = [_worker_block(a if a.ndim else jnp.reshape(a, (1,))) for a in local]
     program = _sum_program(shapes, tuple(a.dtype for a in local))
     # Wait for the result: the CPU runtime may run independent programs concurrently, and
     # collectives must run in the same order on every worker (and the watchdog must see them).
