@@ -69,6 +69,7 @@ import argparse
 import io
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -555,18 +556,22 @@ def _packed(backend: str, arrays: list):
 def _interleaved(fns: dict, iters: int) -> dict:
     """Seconds per call of each function: 3 warm-up calls each, then `iters` rounds of one call each.
 
-    The functions alternate call by call, and the one that starts a round
-    rotates, so slow drifts of the machine (load, frequency, memory) fall on
-    all of them alike. Every worker runs the same sequence.
+    The functions alternate call by call, so slow drifts of the machine (load,
+    frequency) fall on all of them alike, and each round runs them in a fresh
+    random order (seeded by the round: every worker runs the same sequence),
+    so each one follows each other one equally often. With a fixed or rotating
+    order a call mostly followed the same neighbour: JAX's "ours" followed
+    "packed" and paid for the memory that call had just freed back to the OS
+    (donated and kept calls, the same code on JAX, differed by 15%).
     """
     for fn in fns.values():
         for _ in range(3):  # tracing, compilation, connections
             fn()
     times: dict = {name: [] for name in fns}
-    names = list(fns)
     for round_ in range(iters):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        names = list(fns)
+        random.Random(round_).shuffle(names)
+        for name in names:
             start = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - start)
