@@ -144,25 +144,31 @@ class MultiWorkerMirroredExtended(MirroredExtended):
     def _all_reduce(self, replica_context, reduce_op, value):
         if self._cluster.num_workers == 1:
             return super()._all_reduce(replica_context, reduce_op, value)
-
-        def total(per_replica: list) -> Any:
-            flat = [tree.flatten(v) for v in per_replica]
-            local = [self._local_sum(leaves) for leaves in zip(*flat)]
-            summed = self._cross_worker_sum(local, "all_reduce in strategy.run")
-            if reduce_op == ReduceOp.MEAN:
-                summed = [s / self.num_replicas_in_sync for s in summed]
-            return tree.pack_sequence_as(per_replica[0], summed)
-
-        return self._local_then_merge(total, value)
+        summed = self._global_total(value, "all_reduce in strategy.run")
+        if reduce_op == ReduceOp.MEAN:
+            summed = tree.map_structure(lambda s: s / self.num_replicas_in_sync, summed)
+        return summed
 
     def _synchronized_sum(self, replica_context, value):
         if self._cluster.num_workers == 1:
             return super()._synchronized_sum(replica_context, value)
-        leaves = tree.flatten(value)
+        what = "synchronized BatchNormalization"
         summed = engine.replicas.global_sum(
-            leaves, lambda values: self._cross_worker_sum(values, "synchronized BatchNormalization")
+            tree.flatten(value),
+            across_workers=lambda values: self._cross_worker_sum(values, what),
+            over_all_replicas=lambda values: self._global_total(values, what),
         )
         return tree.pack_sequence_as(value, summed)
+
+    def _global_total(self, value: Any, what: str) -> Any:
+        """The sum of `value` over every replica of every worker, given to each replica (not differentiable)."""
+
+        def total(per_replica: list) -> Any:
+            flat = [tree.flatten(v) for v in per_replica]
+            summed = self._cross_worker_sum([self._local_sum(leaves) for leaves in zip(*flat)], what)
+            return tree.pack_sequence_as(per_replica[0], summed)
+
+        return self._local_then_merge(total, value)
 
     def _all_gather(self, replica_context, value, axis):
         if self._cluster.num_workers == 1:

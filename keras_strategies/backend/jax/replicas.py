@@ -94,22 +94,20 @@ class _HostSum:
         return io_callback(self, shapes, jax.lax.axis_index(AXIS), *leaves, ordered=True)
 
 
-def global_sum(values: list, cross_worker: Callable[[list], list]) -> list:
+def global_sum(values: list, across_workers: Callable[[list], list], over_all_replicas: Callable[[list], list]) -> list:
     """Sums of `values` over every replica of every worker (inside a replica function).
 
-    `cross_worker(arrays)` sums a list over the workers, eagerly. In a
-    compiled replica program it runs from a host callback, and the sum is
-    differentiable: its gradient is the same global sum of the incoming
-    gradients (synchronized BatchNormalization across workers). Between
-    eager replica threads it is not differentiable, like `all_reduce_sum`.
+    In a compiled replica program the local devices meet in a host callback
+    that runs `across_workers(arrays)` (a sum over the workers, eager), and
+    the sum is differentiable: its gradient is the same global sum of the
+    incoming gradients (synchronized BatchNormalization across workers).
+    Between eager replica threads it is the strategy's
+    `over_all_replicas(arrays)`, not differentiable, like `all_reduce_sum`.
     """
     if not _in_replica_program["active"]:
-        return replica_threads.merge_call(
-            lambda per_replica: cross_worker([sum(leaves[1:], leaves[0]) for leaves in zip(*per_replica)]),
-            [jnp.asarray(v) for v in values],
-        )
-    forward = _HostSum(_in_replica_program["devices"], cross_worker)
-    backward = _HostSum(_in_replica_program["devices"], cross_worker)
+        return list(over_all_replicas([jnp.asarray(v) for v in values]))
+    forward = _HostSum(_in_replica_program["devices"], across_workers)
+    backward = _HostSum(_in_replica_program["devices"], across_workers)
 
     @jax.custom_vjp
     def total(*leaves):

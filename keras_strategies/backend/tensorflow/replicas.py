@@ -44,21 +44,23 @@ def all_reduce_sum(value: Any) -> Any:
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
-def global_sum(values: list, cross_worker: Callable[[list], list]) -> list:
+def global_sum(values: list, across_workers: Callable[[list], list], over_all_replicas: Callable[[list], list]) -> list:
     """Sums of `values` over every replica of every worker, differentiable (inside a replica function).
 
     The local sum is TensorFlow's all-reduce (its gradient is the all-reduce
-    of the gradients); the cross-worker part, `cross_worker(tensors)`, gets
-    the same rule: synchronized BatchNormalization across workers.
+    of the gradients); the cross-worker part, `across_workers(tensors)`, gets
+    the same rule: synchronized BatchNormalization across workers. TF's
+    replicas share one graph, so `over_all_replicas` (for replica threads) is
+    not needed.
     """
     local = all_reduce_sum(list(values))
 
     @tf.custom_gradient
     def across(*tensors):
         def grad(*upstream):
-            return cross_worker([tf.zeros_like(t) if g is None else g for g, t in zip(upstream, tensors)])
+            return across_workers([tf.zeros_like(t) if g is None else g for g, t in zip(upstream, tensors)])
 
-        return cross_worker(list(tensors)), grad
+        return across_workers(list(tensors)), grad
 
     return list(across(*local))
 

@@ -42,32 +42,25 @@ class _GlobalSum(torch.autograd.Function):
     """Sums over every replica of every worker; the gradient is the same sum of the incoming gradients."""
 
     @staticmethod
-    def forward(ctx, cross_worker, *tensors):  # noqa: D102
-        ctx.cross_worker = cross_worker
-        return tuple(_merged_global_sum([t.detach() for t in tensors], cross_worker))
+    def forward(ctx, over_all_replicas, *tensors):  # noqa: D102
+        ctx.over_all_replicas = over_all_replicas
+        # A copy each: replicas on the same device must not share one output tensor.
+        return tuple(t.clone() for t in over_all_replicas([t.detach() for t in tensors]))
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: D102
-        return (None,) + tuple(_merged_global_sum([g.contiguous() for g in grads], ctx.cross_worker))
+        return (None,) + tuple(ctx.over_all_replicas([g.contiguous() for g in grads]))
 
 
-def _merged_global_sum(tensors: list, cross_worker: Callable[[list], list]) -> list:
-    """This worker's replicas add their tensors, one cross-worker sum runs, every replica gets a copy."""
-    summed = replica_threads.merge_call(
-        lambda per_replica: cross_worker([_sum_on(leaves, leaves[0].device) for leaves in zip(*per_replica)]),
-        tensors,
-    )
-    return [total.to(t.device, copy=True) for total, t in zip(summed, tensors)]
-
-
-def global_sum(values: list, cross_worker: Callable[[list], list]) -> list:
+def global_sum(values: list, across_workers: Callable[[list], list], over_all_replicas: Callable[[list], list]) -> list:
     """Sums of `values` over every replica of every worker, differentiable (inside a replica function).
 
-    `cross_worker(tensors)` sums a list over the workers. Its gradient is the
-    same global sum, as for `all_reduce_sum`: synchronized BatchNormalization
-    across workers.
+    `over_all_replicas(tensors)` is the strategy's sum from the replica
+    threads (not differentiable); this adds the gradient rule: the same
+    global sum of the incoming gradients (synchronized BatchNormalization
+    across workers). `across_workers` is not needed here.
     """
-    return list(_GlobalSum.apply(cross_worker, *[torch.as_tensor(v) for v in values]))
+    return list(_GlobalSum.apply(over_all_replicas, *[torch.as_tensor(v) for v in values]))
 
 
 def all_reduce_sum(value: Any) -> Any:
