@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 import jax
 
+from keras_strategies.replica_variables import RecordingScope
+
 
 def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:
     """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`."""
@@ -19,25 +21,10 @@ def variables_value_and_grad(fn: Callable[..., Any], variables: list, args: tupl
     mapped to traced values (Keras' `StatelessScope`); other variables that it
     assigns (e.g. BatchNormalization statistics) are updated afterwards.
     """
-    from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
-
-    class RecordingScope(StatelessScope):
-        """Records assigned variables; unmapped lookups go to the enclosing scope."""
-
-        def add_update(self, update):
-            super().add_update(update)
-            self.assigned[id(update[0])] = update[0]
-
-        def get_current_value(self, variable):
-            value = super().get_current_value(variable)
-            return self.parent.get_current_value(variable) if value is None and self.parent is not None else value
-
     differentiated = {id(v) for v in variables}
 
     def pure(values):
-        parent = get_stateless_scope()
-        with RecordingScope(state_mapping=list(zip(variables, values))) as scope:
-            scope.assigned, scope.parent = {}, parent
+        with RecordingScope(list(zip(variables, values))) as scope:
             output = fn(*args, **kwargs)
         value = output[0] if isinstance(output, tuple) else output
         updates = [(v, scope.get_current_value(v)) for k, v in scope.assigned.items() if k not in differentiated]

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keras_strategies import replica_threads
+from keras_strategies.replica_variables import replica_copies
 from keras_strategies.backend.torch.devices import torch_device
 
 # Replicas may have different shard sizes: each runs its own shard unpadded.
@@ -83,8 +84,18 @@ def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
 
 
 def mirrored_variables(variables: Sequence[Any], device: str, replica_id: int) -> contextlib.AbstractContextManager:
-    """Replicas read the primary variables directly (the backend copies across devices)."""
-    return contextlib.nullcontext()
+    """Replicas read the primary trainable variables (autograd differentiates them there).
+
+    Replicas after the first compute with copies of the non-trainable ones
+    (BatchNormalization statistics, metric state), whose writes are merged
+    as `replica_variables.replica_copies` says.
+    """
+    copied = [v for v in variables if not v.trainable]
+    if replica_id == 0 or not copied:
+        return contextlib.nullcontext()
+    target = torch_device(device)
+    return replica_copies(copied, lambda value: value.detach().to(target, copy=True),
+                          lambda delta, primary: delta.to(primary.device))
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:
