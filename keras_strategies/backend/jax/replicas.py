@@ -19,9 +19,9 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
-from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
 
 from keras_strategies import replica_threads
+from keras_strategies.replica_variables import replica_copies
 from keras_strategies.backend.jax.devices import device_scope, jax_device
 
 EQUAL_SHARDS = True
@@ -39,16 +39,58 @@ def _on_device_of(values: list, reference: Any) -> list:
     return [jax.device_put(v, device) for v in values]
 
 
+def _thread_sum(values: list) -> list:
+    """Sums of `values` over the eager replica threads, each on the device of its own value."""
+    per_replica = replica_threads.exchange(list(values))
+    totals = []
+    for i, value in enumerate(values):
+        parts = _on_device_of([replica[i] for replica in per_replica], value)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        totals.append(total)
+    return totals
+
+
+def _differentiated_eagerly(sum_over_replicas: Callable[[list], list], values: list) -> list:
+    """`sum_over_replicas(values)` between eager replica threads, differentiable.
+
+    Each replica thread differentiates its own function (`jax.value_and_grad`
+    without `jit`), so the sum cannot exchange traced values: it runs as a
+    `custom_vjp` whose forward and backward rules get concrete arrays and
+    exchange those; the gradient is the same sum of the incoming gradients
+    (`psum`'s rule). Synchronized BatchNormalization in JAX custom loops.
+    """
+
+    @jax.custom_vjp
+    def total(*leaves):
+        return tuple(sum_over_replicas(_concrete(leaves)))
+
+    def backward(_, grads):
+        return tuple(sum_over_replicas(_concrete(grads)))
+
+    total.defvjp(lambda *leaves: (total(*leaves), None), backward)
+    return list(total(*[jnp.asarray(v) for v in values]))
+
+
+def _concrete(leaves: Sequence[Any]) -> list:
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        raise NotImplementedError(
+            "A sum over replicas cannot run inside a function that JAX compiles or vectorises "
+            "(jax.jit, jax.vmap) within strategy.run: replicas are threads that meet eagerly. "
+            "Call the model eagerly inside strategy.run (ks.value_and_grad differentiates it)."
+        )
+    return list(leaves)
+
+
 def all_reduce_sum(value: Any) -> Any:
     """Sum of `value` over the replicas: `psum` in a compiled program, an exchange between
-    eager replica threads otherwise (not differentiable there)."""
+    eager replica threads otherwise; differentiable in both."""
     if _in_replica_program["active"]:
         return jax.lax.psum(value, AXIS)
-    values = _on_device_of(replica_threads.exchange(jnp.asarray(value)), value)
-    total = values[0]
-    for other in values[1:]:
-        total = total + other
-    return total
+    if replica_threads.current()[0] is None:
+        return value
+    return _differentiated_eagerly(_thread_sum, [value])[0]
 
 
 class _HostSum:
@@ -102,10 +144,10 @@ def global_sum(values: list, across_workers: Callable[[list], list], over_all_re
     the sum is differentiable: its gradient is the same global sum of the
     incoming gradients (synchronized BatchNormalization across workers).
     Between eager replica threads it is the strategy's
-    `over_all_replicas(arrays)`, not differentiable, like `all_reduce_sum`.
+    `over_all_replicas(arrays)`, given the same gradient rule.
     """
     if not _in_replica_program["active"]:
-        return list(over_all_replicas([jnp.asarray(v) for v in values]))
+        return _differentiated_eagerly(over_all_replicas, values)
     forward = _HostSum(_in_replica_program["devices"], across_workers)
     backward = _HostSum(_in_replica_program["devices"], across_workers)
 
@@ -135,49 +177,21 @@ def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     return replica_threads.merge_call(fn, value)
 
 
-class _ReplicaScope(StatelessScope):
-    """Reads variables from this replica's copies; records what the replica assigns.
-
-    Lookups fall back to an enclosing scope, so nested stateless code (e.g.
-    `ks.value_and_grad`) still sees the replica's copies.
-    """
-
-    def __init__(self, state_mapping):
-        self.parent = get_stateless_scope()
-        super().__init__(state_mapping=state_mapping)
-        self.assigned: dict = {}
-
-    def add_update(self, update):
-        super().add_update(update)
-        self.assigned[id(update[0])] = update[0]
-
-    def get_current_value(self, variable):
-        value = super().get_current_value(variable)
-        if value is None and self.parent is not None:
-            return self.parent.get_current_value(variable)
-        return value
-
-
 @contextlib.contextmanager
 def mirrored_variables(variables: Sequence[Any], device: str, replica_id: int) -> Iterator[None]:
     """Replica `replica_id` computes with copies of `variables` on its own device.
 
-    Replica 0 uses the primary variables. Other replicas' writes are merged
-    back at the end: summed for `aggregation="sum"` variables (metric state),
-    dropped otherwise (the primary copy is replica 0's, as in tf.distribute).
+    Replica 0 uses the primary variables; the writes of the others are merged
+    as `replica_variables.replica_copies` says (metric deltas summed, the
+    rest dropped).
     """
     if replica_id == 0 or not variables:
         yield
         return
     target = jax_device(device)
-    copies = {id(v): jax.device_put(v.value, target) for v in variables}
-    with _ReplicaScope([(v, copies[id(v)]) for v in variables]) as scope:
+    with replica_copies(variables, lambda value: jax.device_put(value, target),
+                        lambda delta, primary: jax.device_put(delta, next(iter(primary.devices())))):
         yield
-    for variable in scope.assigned.values():
-        if getattr(variable, "aggregation", None) == "sum" and id(variable) in copies:
-            delta = scope.get_current_value(variable) - copies[id(variable)]
-            primary = variable.value
-            variable.assign(primary + jax.device_put(delta, next(iter(primary.devices()))))
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:
