@@ -111,8 +111,11 @@ class StrategyExtended:
     # --- replica execution ---------------------------------------------------
     def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         results = []
+        # A worker's one replica runs together with the other workers' replicas: collectives
+        # (e.g. synchronized BatchNormalization's sums) meet across workers.
+        together = self._num_workers > 1
         for replica_id, device in enumerate(self._devices):
-            replica_context = context.ReplicaContext(self._container, replica_id)
+            replica_context = context.ReplicaContext(self._container, replica_id, in_program=together)
             with context.enter_frame(self._container, replica_context), engine.devices.device_scope(device):
                 results.append(fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs)))
         return regroup(results)
