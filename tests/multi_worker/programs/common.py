@@ -94,7 +94,9 @@ def guide_loop(strategy, model, optimizer, dataset, ks, n=N):
         def loss_fn():
             per_example = loss_object(labels, model(features, training=True))
             loss = ks.compute_average_loss(per_example, global_batch_size=global_batch_size)
-            return loss + ks.scale_regularization_loss(ops.sum(ops.stack(model.losses)))
+            if model.losses:
+                loss = loss + ks.scale_regularization_loss(ops.sum(ops.stack(model.losses)))
+            return loss
 
         loss, grads = ks.value_and_grad(loss_fn, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))

@@ -45,15 +45,22 @@ def run_keras(name, build):
 # Keras fit / evaluate / predict on NumPy arrays (the last global batch is partial).
 model = run_keras("fit", build_model)
 
-# The guide's custom loop on a tf.data dataset (new variables: the chief's values are broadcast).
-with strategy.scope():
-    loop_model = build_model()
-    optimizer = keras.optimizers.SGD(0.05)
-if strategy.extended.should_checkpoint:
-    np.savez(os.path.join(out, "loop_initial.npz"), *loop_model.get_weights())
-dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-results["loop_losses"] = guide_loop(strategy, loop_model, optimizer, dataset, ks)
-results["loop_weights"] = loop_model.get_weights()
+
+def run_loop(name, build):
+    """The guide's custom loop on a tf.data dataset (new variables: the chief's values are broadcast)."""
+    with strategy.scope():
+        loop_model = build()
+        optimizer = keras.optimizers.SGD(0.05)
+    if strategy.extended.should_checkpoint:
+        np.savez(os.path.join(out, f"{name}_initial.npz"), *loop_model.get_weights())
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    results[f"{name}_losses"] = guide_loop(strategy, loop_model, optimizer, dataset, ks)
+    results[f"{name}_weights"] = loop_model.get_weights()
+
+
+run_loop("loop", build_model)
+# Synchronized BatchNormalization in the custom loop (JAX: sums between eager replica threads).
+run_loop("bn_loop", build_sync_bn_model)
 
 # A model with its own train_step / test_step / predict_step (run per replica).
 run_keras("own", build_own_steps_model)
