@@ -144,7 +144,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
     def _all_reduce(self, replica_context, reduce_op, value):
         if self._cluster.num_workers == 1:
             return super()._all_reduce(replica_context, reduce_op, value)
-        summed = self._global_total(value, "all_reduce in strategy.run")
+        summed = self._differentiable_global_sum(value, "all_reduce in strategy.run")
         if reduce_op == ReduceOp.MEAN:
             summed = tree.map_structure(lambda s: s / self.num_replicas_in_sync, summed)
         return summed
@@ -152,7 +152,14 @@ class MultiWorkerMirroredExtended(MirroredExtended):
     def _synchronized_sum(self, replica_context, value):
         if self._cluster.num_workers == 1:
             return super()._synchronized_sum(replica_context, value)
-        what = "synchronized BatchNormalization"
+        return self._differentiable_global_sum(value, "synchronized BatchNormalization")
+
+    def _differentiable_global_sum(self, value: Any, what: str) -> Any:
+        """The sum of `value` over every replica of every worker; its gradient is the same sum.
+
+        The engine adds the gradient rule to `_global_total` (replica threads) or
+        to the bare cross-worker sum (TF graphs, JAX's compiled replica programs).
+        """
         summed = engine.replicas.global_sum(
             tree.flatten(value),
             across_workers=lambda values: self._cross_worker_sum(values, what),

@@ -105,3 +105,12 @@ def test_collectives_span_every_replica_of_every_worker(run):
         np.testing.assert_allclose(worker["all_reduce"], [replicas * (replicas + 1) / 2] * 2)
         np.testing.assert_allclose(worker["gather"], np.arange(replicas, dtype="float32"))
         np.testing.assert_allclose(worker["value_ids"], np.arange(replicas, dtype="float32"))
+
+
+def test_all_reduce_in_strategy_run_is_differentiable_across_workers(run):
+    _, devices, results = run
+    replicas = 2 * devices
+    total = replicas * (replicas + 1) / 2  # S, the sum of the scales 1..R
+    for index, worker in enumerate(results):
+        scales = np.arange(index * devices, (index + 1) * devices) + 1
+        np.testing.assert_allclose(worker["all_reduce_grads"], replicas * 2 * total * scales)

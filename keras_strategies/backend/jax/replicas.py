@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
 from keras_strategies import replica_threads
-from keras_strategies.replica_variables import replica_copies
 from keras_strategies.backend.jax.devices import device_scope, jax_device
+from keras_strategies.replica_variables import replica_copies
 
 EQUAL_SHARDS = True
 NATIVE_SYNC_BATCH_NORM = False

@@ -47,22 +47,32 @@ def all_reduce_sum(value: Any) -> Any:
 def global_sum(values: list, across_workers: Callable[[list], list], over_all_replicas: Callable[[list], list]) -> list:
     """Sums of `values` over every replica of every worker, differentiable (inside a replica function).
 
-    The local sum is TensorFlow's all-reduce (its gradient is the all-reduce
-    of the gradients); the cross-worker part, `across_workers(tensors)`, gets
-    the same rule: synchronized BatchNormalization across workers. TF's
-    replicas share one graph, so `over_all_replicas` (for replica threads) is
-    not needed.
+    In a graph, the local sum is TensorFlow's all-reduce (its gradient is the
+    all-reduce of the gradients) and each replica's cross-worker part,
+    `across_workers(tensors)`, gets the same rule (the launcher's ordering
+    token orders the replicas' collectives alike on every worker).
+    Eagerly, TF runs the replicas in threads whose collectives would race, so
+    the sum is the strategy's `over_all_replicas` (one merge, one
+    cross-worker sum per worker), with the same gradient rule.
     """
-    local = all_reduce_sum(list(values))
+    tensors = [tf.convert_to_tensor(v) for v in values]
+    if tf.executing_eagerly():
+        return _with_sum_gradient(over_all_replicas, tensors)
+    return _with_sum_gradient(across_workers, all_reduce_sum(tensors))
+
+
+def _with_sum_gradient(total: Callable[[list], list], tensors: list) -> list:
+    """`total(tensors)`, whose gradient is `total` of the incoming gradients."""
 
     @tf.custom_gradient
-    def across(*tensors):
+    def summed(*inputs):
         def grad(*upstream):
-            return across_workers([tf.zeros_like(t) if g is None else g for g, t in zip(upstream, tensors)])
+            return total([tf.zeros_like(t) if g is None else g for g, t in zip(upstream, inputs)])
 
-        return across_workers(list(tensors)), grad
+        # Eagerly, a tape would ask the collective's compiled function for its own gradient.
+        return total([tf.stop_gradient(t) for t in inputs]), grad
 
-    return list(across(*local))
+    return list(summed(*tensors))
 
 
 def all_gather(value: Any, axis: int) -> Any:

@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keras_strategies import replica_threads
-from keras_strategies.replica_variables import replica_copies
 from keras_strategies.backend.torch.devices import torch_device
+from keras_strategies.replica_variables import replica_copies
 
 # Replicas may have different shard sizes: each runs its own shard unpadded.
 EQUAL_SHARDS = False

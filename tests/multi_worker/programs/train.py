@@ -74,6 +74,21 @@ def replica_fn():
     return ctx.all_reduce("SUM", ops.ones((2,)) * (ctx.replica_id_in_sync_group + 1))
 
 results["all_reduce"] = ops.convert_to_numpy(strategy.experimental_local_results(strategy.run(replica_fn))[0])
+
+# all_reduce is differentiable across workers too: L_i = (S w)^2 with S = sum of the replicas'
+# scales; its backward pass sums every replica's cotangent 2 S w, times replica i's scale.
+with strategy.scope():
+    w = keras.Variable(1.0)
+
+
+def gradient_fn():
+    scale = float(ks.get_replica_context().replica_id_in_sync_group + 1)
+    loss = lambda: ops.square(ks.get_replica_context().all_reduce("sum", scale * w.value))  # noqa: E731
+    return ks.value_and_grad(loss, [w])[1][0]
+
+
+results["all_reduce_grads"] = np.array(
+    [float(ops.convert_to_numpy(g)) for g in strategy.experimental_local_results(strategy.run(gradient_fn))])
 ids = strategy.run(lambda: ops.reshape(ops.cast(ks.get_replica_context().replica_id_in_sync_group, "float32"), (1,)))
 results["gather"] = ops.convert_to_numpy(strategy.gather(ids, axis=0))
 values = strategy.experimental_distribute_values_from_function(
