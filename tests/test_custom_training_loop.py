@@ -1,11 +1,18 @@
 """The distributed-training guide's custom loop, ported to ks, equals the same loop without a strategy."""
 
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
 from keras import ops
 
 import keras_strategies as ks
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "multi_worker", "programs"))
+from common import GLOBAL_BATCH, build_sync_bn_model, guide_loop, single_process_statistics  # noqa: E402
+from common import data as regression_data  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -78,53 +85,28 @@ def test_explicit_global_batch_size_with_a_partial_last_batch_trains_like_one_de
         np.testing.assert_allclose(got, expected, **TOL)
 
 
-def run_sync_bn_loop(strategy, global_batch_size=8, n=20):
-    """The guide's loop on Dense -> BatchNormalization(synchronized=True) -> Dense."""
+def run_sync_bn_loop(strategy, reference=False):
+    """The guide's loop on Dense -> BatchNormalization(synchronized=True) -> Dense (50 samples, batches of 16)."""
     keras.utils.set_random_seed(1)
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((3,)),
-            keras.layers.Dense(4, use_bias=False),
-            keras.layers.BatchNormalization(synchronized=True),
-            keras.layers.Dense(1),
-        ])
-        optimizer = keras.optimizers.SGD(0.1)
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
-    dataset = strategy.make_experimental_numpy_dataset((x, y)).batch(global_batch_size)
-
-    def train_step(inputs, batch_size):
-        features, labels = inputs
-
-        def loss_fn():
-            per_example = ops.mean(ops.square(model(features, training=True) - labels), axis=-1)
-            return ks.compute_average_loss(per_example, global_batch_size=batch_size)
-
-        loss, gradients = ks.value_and_grad(loss_fn, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        return loss
-
-    @ks.function
-    def distributed_train_step(dist_inputs, batch_size):
-        per_replica_losses = strategy.run(train_step, args=(dist_inputs, batch_size))
-        return strategy.reduce(ks.ReduceOp.SUM, per_replica_losses, axis=None)
-
-    sizes = [min(global_batch_size, n - start) for start in range(0, n, global_batch_size)]
-    batches = strategy.experimental_distribute_dataset(dataset)
-    losses = [float(ops.convert_to_numpy(distributed_train_step(batch, size))) for batch, size in zip(batches, sizes)]
-    return losses, model.get_weights()
+        model = build_sync_bn_model()
+        optimizer = keras.optimizers.SGD(0.05)
+    if reference:
+        single_process_statistics(model)
+    dataset = strategy.make_experimental_numpy_dataset(regression_data()).batch(GLOBAL_BATCH)
+    return guide_loop(strategy, model, optimizer, dataset, ks), model.get_weights()
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_synchronized_batch_norm_in_the_guide_loop_trains_like_one_device(replicas):
-    # Batches of 8, 8, 4: on 3 replicas the shards are uneven. The batch statistics, their
-    # gradients and the moving statistics (written once, not once per replica) are exact.
-    expected_losses, expected_weights = run_sync_bn_loop(ks.get_strategy())
+    # On 3 replicas the shards are uneven (6, 5, 5, and 1, 1, 0 for the last batch). The batch
+    # statistics, their gradients and the moving statistics (written once, not once per
+    # replica) are exact.
+    expected_losses, expected_weights = run_sync_bn_loop(ks.get_strategy(), reference=True)
     losses, weights = run_sync_bn_loop(ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]))
     np.testing.assert_allclose(losses, expected_losses, **TOL)
     for got, expected in zip(weights, expected_weights):
         np.testing.assert_allclose(got, expected, **TOL)
-
 
 if keras.backend.backend() == "tensorflow":
 

@@ -18,6 +18,7 @@ from mw_launch import PROGRAMS, check, run_program
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
     GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, data, guide_loop, keras_run,
+    single_process_statistics,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -83,12 +84,7 @@ def test_custom_loop_equals_a_single_process_run(run, name, build):
     x, y = data()
     model = build()
     model.set_weights(_load(out / f"{name}_initial.npz"))
-    for layer in model.layers:
-        # One process: the global statistics are the local ones. Keras' own synchronized
-        # moments on TensorFlow compute E[x^2] - E[x]^2, whose rounding after four SGD
-        # steps differs by ~1.4e-5 from the two-pass variance of both other paths.
-        if isinstance(layer, keras.layers.BatchNormalization):
-            layer.synchronized = False
+    single_process_statistics(model)
     strategy = ks.get_strategy()
     losses = guide_loop(strategy, model, keras.optimizers.SGD(0.05), tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), ks)
     for worker in results:
