@@ -6,9 +6,9 @@ statistics would move several steps at once). So replicas after the first
 read copies and record their writes in a Keras `StatelessScope`; at the end,
 writes to `aggregation="sum"` variables (metric state) are added to the
 primary as deltas, and other writes are dropped: the primary value is the
-first replica's, as for a `tf.distribute` variable written in replica
-context. With synchronized BatchNormalization every replica computes the same
-statistics, so the result is exact.
+first replica's (what `tf.VariableAggregation.ONLY_FIRST_REPLICA` gives in
+`tf.distribute`). With synchronized BatchNormalization every replica computes
+the same statistics, so the result is exact.
 """
 
 from __future__ import annotations
