@@ -18,9 +18,20 @@ class Aborted(Exception):
     """Another replica failed; this one stops."""
 
 
+class ThreadState:
+    """State that every replica must see as its own although replicas share it (`save` / `restore` at switches)."""
+
+    def save(self, replica_id: int) -> None:
+        """Called when replica `replica_id` hands control to another one."""
+
+    def restore(self, replica_id: int) -> None:
+        """Called when replica `replica_id` gets control back."""
+
+
 class ReplicaGroup:
-    def __init__(self, size: int):
+    def __init__(self, size: int, state: Optional[ThreadState] = None):
         self.size = size
+        self.state = state or ThreadState()
         self.condition = threading.Condition()
         self.turn = 0
         self.generation = 0
@@ -38,6 +49,7 @@ class ReplicaGroup:
     def start(self, replica_id: int) -> None:
         with self.condition:
             self._wait(lambda: self.turn == replica_id)
+            self.state.restore(replica_id)
 
     def _mismatch(self, replica_id: int) -> RuntimeError:
         return RuntimeError(
@@ -51,6 +63,7 @@ class ReplicaGroup:
             if self.pending:
                 self.error = self._mismatch(replica_id)
             self.finished.add(replica_id)
+            self.state.save(replica_id)
             self.turn = replica_id + 1
             self.condition.notify_all()
 
@@ -67,6 +80,7 @@ class ReplicaGroup:
                 self.condition.notify_all()
                 raise self.error
             self.slots[replica_id] = value
+            self.state.save(replica_id)
             generation = self.generation
             if replica_id == self.size - 1:
                 self.results = {generation: list(self.slots)}
@@ -78,6 +92,7 @@ class ReplicaGroup:
                 self.turn = replica_id + 1
             self.condition.notify_all()
             self._wait(lambda: self.generation > generation and self.turn == replica_id)
+            self.state.restore(replica_id)
             return self.results[generation]
 
 
@@ -105,9 +120,10 @@ def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     return group.exchange(replica_id, result)[0]
 
 
-def run(fn: Callable[[int], Any], size: int, replica_scope: Callable[[int], ContextManager] = lambda i: contextlib.nullcontext()) -> list:
+def run(fn: Callable[[int], Any], size: int, replica_scope: Callable[[int], ContextManager] = lambda i: contextlib.nullcontext(),
+        state: Optional[ThreadState] = None) -> list:
     """`[fn(0), ..., fn(size - 1)]`, each in its own replica thread inside `replica_scope(i)`."""
-    group = ReplicaGroup(size)
+    group = ReplicaGroup(size, state)
     results: list = [None] * size
     errors: list = []
 
