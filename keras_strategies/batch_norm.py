@@ -19,6 +19,7 @@ from keras.src.layers.normalization import batch_normalization as keras_bn
 
 from keras_strategies import context
 from keras_strategies.backend import engine
+from keras_strategies.replica_variables import weigh_writes
 
 
 def _broadcast_rows(row_mask: Any, inputs: Any, dtype: str) -> Any:
@@ -27,8 +28,26 @@ def _broadcast_rows(row_mask: Any, inputs: Any, dtype: str) -> Any:
 
 
 def _global_sum(replica_context: Any, value: Any) -> Any:
-    """Sums over every replica of every worker (differentiable)."""
-    return replica_context.strategy.extended._synchronized_sum(replica_context, value)
+    """Sums over every replica of every worker (differentiable).
+
+    In a model's own `train_step`, each replica differentiates its shard's
+    mean loss and its gradients are weighted by its share `w` of the batch
+    afterwards. The sum's backward pass must then send `w * dy` and return
+    the total over `w` (TF's and Keras' steps scale the loss first instead,
+    where the plain sum of incoming gradients is right).
+    """
+    weight = replica_context._gradient_weight
+    if weight is None:
+        return replica_context.strategy.extended._synchronized_sum(replica_context, value)
+    sent = [_gradient_scaled(v, 1.0 / weight if weight > 0 else 0.0) for v in value]
+    total = replica_context.strategy.extended._synchronized_sum(replica_context, sent)
+    return [_gradient_scaled(t, weight) for t in total]
+
+
+def _gradient_scaled(value: Any, factor: float) -> Any:
+    """`value` itself, whose gradient is multiplied by `factor`."""
+    scaled = value * factor
+    return ops.stop_gradient(value) + (scaled - ops.stop_gradient(scaled))
 
 
 def _replica_moments(layer: Any, inputs: Any, mask: Any, replica_context: Any, synchronized: bool):
@@ -46,7 +65,7 @@ def _replica_moments(layer: Any, inputs: Any, mask: Any, replica_context: Any, s
     mean = total / count
     squares = ops.sum(ops.square((values - mean) * weights), axes, keepdims=True)
     if synchronized:
-        squares = _global_sum(replica_context, squares)
+        (squares,) = _global_sum(replica_context, [squares])
     variance = squares / count
     return ops.cast(ops.squeeze(mean), inputs.dtype), ops.cast(ops.squeeze(variance), inputs.dtype)
 
@@ -59,6 +78,11 @@ def _wrap_moments(original: Callable) -> Callable:
         if in_program and (replica_context._row_mask is not None or self.synchronized):
             synchronized = self.synchronized and replica_context.num_replicas_in_sync > 1
             return _replica_moments(self, inputs, mask, replica_context, synchronized)
+        if replica_context is not None and replica_context.num_replicas_in_sync > 1:
+            # Own statistics per replica, averaged into the moving ones at the end of the run:
+            # a replica with an empty shard (whose statistics are NaN) does not count.
+            rows = ops.cast(ops.greater(ops.shape(inputs)[0], 0), "float32")
+            weigh_writes([self.moving_mean, self.moving_variance], rows)
         if self.synchronized and not engine.replicas.NATIVE_SYNC_BATCH_NORM:
             # One replica: the global statistics are the local ones.
             self.synchronized = False

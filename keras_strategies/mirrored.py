@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 from keras_strategies.reduce_op import ReduceOp
+from keras_strategies.replica_variables import outside_replica_scope
 from keras_strategies import context, keras_state
 from keras_strategies.values import map_structure, regroup, select_replica
 from keras_strategies.backend import engine
@@ -31,16 +32,18 @@ class MirroredExtended(StrategyExtended):
             return super()._call_for_each_replica(fn, args, kwargs)
         snapshot = keras_state.capture()
         strategy = self._container
-        variables = self._scope_variables()
+        writes = self._replica_writes(self._devices)
 
         def replica(replica_id, *_):
             replica_context = context.ReplicaContext(strategy, replica_id, in_program=True)
-            mirrored = engine.replicas.mirrored_variables(variables, self._devices[replica_id], replica_id)
-            with keras_state.installed(snapshot), context.enter_frame(strategy, replica_context), mirrored:
+            with keras_state.installed(snapshot), context.enter_frame(strategy, replica_context), \
+                    writes.scope(replica_id):
                 return fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
 
-        run = engine.replicas.make_replicated(replica, self._devices, compiled=False)
-        return regroup(run((), [() for _ in self._devices]))
+        run = engine.replicas.make_replicated(replica, self._devices, compiled=False, variables=self._scope_variables())
+        results = run((), [() for _ in self._devices])
+        self._combine_writes(writes)
+        return regroup(results)
 
     def _merge_call(self, replica_context, merge_fn, args, kwargs):
         if self.num_replicas_in_sync == 1:
@@ -51,7 +54,7 @@ class MirroredExtended(StrategyExtended):
 
         def merge(per_replica):
             merged_args, merged_kwargs = regroup(per_replica)
-            with context.enter_frame(strategy, None):
+            with context.enter_frame(strategy, None), outside_replica_scope():
                 return merge_fn(strategy, *merged_args, **merged_kwargs)
 
         return engine.replicas.merge_call(merge, (tuple(args), dict(kwargs)))

@@ -1,22 +1,33 @@
-"""What a replica thread other than the first writes to variables in `strategy.run`.
+"""What replica threads write to variables in `strategy.run` and in a model's own steps.
 
 Replica threads share the primary variables. If every replica assigned them,
 each update would be applied once per replica (BatchNormalization's moving
-statistics would move several steps at once). So replicas after the first
-read copies and record their writes in a Keras `StatelessScope`; at the end,
-writes to `aggregation="sum"` variables (metric state) are added to the
-primary as deltas, and other writes are dropped: the primary value is the
-first replica's (what `tf.VariableAggregation.ONLY_FIRST_REPLICA` gives in
-`tf.distribute`). With synchronized BatchNormalization every replica computes
-the same statistics, so the result is exact.
-"""
+statistics would move several steps at once). So each replica runs in a
+Keras `StatelessScope` that records its writes and reads the primaries for
+everything it has not written (no copies; a replica on another device reads
+a copy there, refreshed when the primary changes). Merges (`merge_call`,
+the optimizer's update) run outside that scope and write the primaries.
+After the run, writes to `aggregation="sum"` variables (metric state) add up
+as deltas, and float variables with `aggregation="none"` or `"mean"` get the
+mean of the values the replicas wrote: what tf-keras' BatchNormalization
+statistics (`ON_READ`, `MEAN`) read as in `tf.distribute`, and what `fit`
+does (a replica whose shard is empty does not count: `weigh_writes`). With
+synchronized BatchNormalization every replica computes the same statistics,
+so the mean is exact. Other variables take the first writing replica's value
+(`tf.VariableAggregation.ONLY_FIRST_REPLICA`)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
+from keras import ops
+from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
+
+
+# How the replicas' writes of a variable combine (`ReplicaWrites` items).
+DELTA, MEAN, FIRST = "delta", "mean", "first"
 
 
 class RecordingScope(StatelessScope):
@@ -43,24 +54,123 @@ class RecordingScope(StatelessScope):
         if value is None:
             # Mapped nowhere: the variable's own value (Keras asks the scope directly for
             # weight regularization losses).
-            value = getattr(variable, "_value", None)
+            value = self._unmapped(variable)
         return value
+
+    def _unmapped(self, variable: Any) -> Any:
+        return getattr(variable, "_value", None)
+
+
+class ReplicaScope(RecordingScope):
+    """One replica's scope: its own writes, and the primaries as seen from its device."""
+
+    def __init__(self, device: str, view: Callable[[Any, str], Any]):
+        super().__init__([])
+        self._device, self._view = device, view
+        self._views: dict = {}
+        self.weights: dict = {}
+
+    def weigh(self, variable: Any, weight: Any) -> None:
+        """Whether this replica's write of `variable` counts in the replicas' mean (1, the default, or 0)."""
+        self.weights[id(variable)] = weight
+
+    def _unmapped(self, variable: Any) -> Any:
+        primary = getattr(variable, "_value", None)
+        if primary is None:
+            return None
+        cached = self._views.get(id(variable))
+        if cached is None or cached[0] is not primary:  # new, or assigned by a merge since
+            cached = self._views[id(variable)] = (primary, self._view(primary, self._device))
+        return cached[1]
+
+
+def weigh_writes(variables: Sequence[Any], weight: Any) -> None:
+    """Weighs the calling replica's writes of `variables` (e.g. 0 for statistics of an empty shard)."""
+    scope = get_stateless_scope()
+    while scope is not None and not isinstance(scope, ReplicaScope):
+        scope = getattr(scope, "parent", None)
+    if scope is not None:
+        for variable in variables:
+            scope.weigh(variable, weight)
 
 
 @contextlib.contextmanager
-def replica_copies(
-    variables: Sequence[Any], copy: Callable[[Any], Any], to_primary: Callable[[Any, Any], Any]
-) -> Iterator[None]:
-    """A replica after the first computes with `copy(value)` of each of `variables`.
-
-    `to_primary(delta, primary value)` places a metric delta where the
-    primary value lives before it is added.
-    """
-    copies = {id(v): copy(v.value) for v in variables}
-    with RecordingScope([(v, copies[id(v)]) for v in variables]) as scope:
+def outside_replica_scope() -> Iterator[None]:
+    """Leaves the calling replica's scope: a merge writes the primary variables."""
+    scope = get_stateless_scope()
+    if not isinstance(scope, ReplicaScope):
         yield
-    for variable in scope.assigned.values():
-        if getattr(variable, "aggregation", None) == "sum" and id(variable) in copies:
-            delta = scope.get_current_value(variable) - copies[id(variable)]
+        return
+    global_state.set_global_attribute("stateless_scope", scope.parent)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", scope)
+
+
+class ReplicaWrites:
+    """The replicas' scopes for one run on `devices`, and their writes combined into the primaries.
+
+    `view(value, device)` is a primary value as a replica on `device` reads
+    it; `onto(value, primary)` places a replica's value where the primary
+    value lives. `record`: scopes even for one replica (whose writes other
+    workers' must join); by default only for several.
+    """
+
+    def __init__(self, devices: Sequence[str], view: Callable[[Any, str], Any], onto: Callable[[Any, Any], Any],
+                 record: Optional[bool] = None):
+        self._devices = list(devices)
+        self._view, self._onto = view, onto
+        self._record = len(self._devices) > 1 if record is None else record
+        self._scopes: dict = {}
+
+    def scope(self, replica_id: int) -> contextlib.AbstractContextManager:
+        """Entered by replica `replica_id` in its own thread, around its computation."""
+        if not self._record:
+            return contextlib.nullcontext()
+        scope = self._scopes[replica_id] = ReplicaScope(self._devices[replica_id], self._view)
+        return scope
+
+    def combine(self, across_workers: Optional[Callable[[list], list]] = None) -> None:
+        """Merges the replicas' writes into the primaries (after every replica has finished).
+
+        `across_workers(items)` turns this worker's `(variable, kind, value,
+        weight)` items into every worker's (same kinds and order).
+        """
+        items = self._local_items()
+        if across_workers is not None:
+            items = across_workers(items)
+        for variable, kind, value, weight in items:
+            if kind == DELTA:
+                variable.assign(variable.value + value)
+            elif kind == MEAN:
+                # Weights count replicas (0 or 1 each). None counted (every write weighed 0): the value stays.
+                count = ops.cast(ops.maximum(weight, 1.0), value.dtype)
+                variable.assign(ops.where(weight > 0, value / count, variable.value))
+            else:
+                variable.assign(value)
+
+    def _local_items(self) -> list:
+        """Per written variable: `(variable, DELTA, summed change, 1)`, `(variable, MEAN, weighted sum, total
+        weight)` or `(variable, FIRST, first replica's value, 1)`."""
+        scopes, self._scopes = sorted(self._scopes.items()), {}
+        written: dict = {}
+        for _, scope in scopes:
+            written.update(scope.assigned)
+        items = []
+        for variable in written.values():
             primary = variable.value
-            variable.assign(primary + to_primary(delta, primary))
+            writers = [scope for _, scope in scopes if id(variable) in scope.assigned]
+            finals = [self._onto(scope.get_current_value(variable), primary) for scope in writers]
+            aggregation = getattr(variable, "aggregation", "none")
+            if aggregation == "sum":
+                changes = [final - primary for final in finals]
+                items.append((variable, DELTA, sum(changes[1:], changes[0]), 1.0))
+            elif aggregation in ("none", "mean") and "float" in str(variable.dtype):
+                weights = [ops.cast(scope.weights.get(id(variable), 1.0), "float32") for scope in writers]
+                # A write weighed 0 may be NaN (statistics of no rows): select, do not multiply.
+                parts = [ops.where(w > 0, f * ops.cast(w, f.dtype), ops.zeros_like(f)) for f, w in zip(finals, weights)]
+                items.append((variable, MEAN, sum(parts[1:], parts[0]), sum(weights[1:], weights[0])))
+            else:
+                items.append((variable, FIRST, finals[0], 1.0))
+        return items

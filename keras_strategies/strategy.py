@@ -19,6 +19,7 @@ from keras_strategies import context
 from keras_strategies.backend import engine
 from keras_strategies.input.context import ValueContext
 from keras_strategies.reduce_op import ReduceOp
+from keras_strategies.replica_variables import ReplicaWrites, outside_replica_scope
 from keras_strategies.values import (
     DistributedValues,
     PerReplica,
@@ -99,6 +100,20 @@ class StrategyExtended:
         self._variables = [weakref.ref(v) for v in alive if v is not None]
         return [v for v in alive if v is not None]
 
+    def _replica_writes(self, devices: Sequence[str], record: bool = True) -> ReplicaWrites:
+        """Scopes that keep the variable writes of replicas on `devices` apart until the run ends.
+
+        With several workers even one local replica records its writes: they
+        are combined with the other workers' (`_combine_writes`). `record=False`
+        for steps that write no variables.
+        """
+        record = record and (len(devices) > 1 or self._num_workers > 1)
+        return ReplicaWrites(devices, engine.replicas.replica_view, engine.replicas.onto, record)
+
+    def _combine_writes(self, writes: ReplicaWrites) -> None:
+        """Writes the replicas' combined values to the primaries at the end of `run`."""
+        writes.combine()
+
     @contextlib.contextmanager
     def _scope_placement(self) -> Iterator[None]:
         """Device placement while in `scope()`: the first device, for strategies that own devices."""
@@ -114,16 +129,19 @@ class StrategyExtended:
         # A worker's one replica runs together with the other workers' replicas: collectives
         # (e.g. synchronized BatchNormalization's sums) meet across workers.
         together = self._num_workers > 1
+        writes = self._replica_writes(self._devices)
         for replica_id, device in enumerate(self._devices):
             replica_context = context.ReplicaContext(self._container, replica_id, in_program=together)
-            with context.enter_frame(self._container, replica_context), engine.devices.device_scope(device):
+            with context.enter_frame(self._container, replica_context), engine.devices.device_scope(device), \
+                    writes.scope(replica_id):
                 results.append(fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs)))
+        self._combine_writes(writes)
         return regroup(results)
 
     def _merge_call(self, replica_context: "context.ReplicaContext", merge_fn: Callable, args: tuple, kwargs: dict) -> Any:
         if len(self._devices) != 1:
             raise NotImplementedError(f"{type(self).__name__} has no merge_call for several replicas.")
-        with context.enter_frame(self._container, None):
+        with context.enter_frame(self._container, None), outside_replica_scope():
             return merge_fn(self._container, *args, **kwargs)
 
     def _all_reduce(self, replica_context: "context.ReplicaContext", reduce_op: ReduceOp, value: Any) -> Any:

@@ -144,3 +144,87 @@ if keras.backend.backend() == "tensorflow":
         np.testing.assert_allclose(losses, expected_losses, **TOL)
         for got, expected in zip(weights, expected_weights):
             np.testing.assert_allclose(got, expected, **TOL)
+
+
+def test_unsynchronized_batch_norm_in_the_guide_loop_averages_the_replicas_moving_statistics():
+    # Two replicas whose shards are constant after the first layer (0 and 8): each replica's
+    # batch variance is 0 and its mean 0 or 8. The moving statistics are the replicas' mean, as
+    # tf-keras' ON_READ / MEAN statistics read (the first replica's alone: mean 0).
+    x = np.concatenate([np.zeros((2, 2)), np.full((2, 2), 4.0)]).astype("float32")
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((2,)),
+            keras.layers.Dense(3, kernel_initializer="ones", use_bias=False),
+            keras.layers.BatchNormalization(momentum=0.5),
+            keras.layers.Dense(1),
+        ])
+        optimizer = keras.optimizers.SGD(0.05)
+    dataset = strategy.make_experimental_numpy_dataset((x, np.zeros((4, 1), "float32"))).batch(GLOBAL_BATCH)
+    guide_loop(strategy, model, optimizer, dataset, ks, n=4)
+    bn = model.layers[1]
+    np.testing.assert_allclose(ops.convert_to_numpy(bn.moving_mean), 2.0, atol=1e-6)
+    np.testing.assert_allclose(ops.convert_to_numpy(bn.moving_variance), 0.5, atol=1e-6)
+
+
+def run_two_updates_per_step(strategy):
+    """A GAN-style step: update `a`, then a loss through the updated `a` updates `b` (8 samples, 3 steps)."""
+    with strategy.scope():
+        a = keras.Variable(np.ones((1,), "float32"), name="a")
+        b = keras.Variable(np.ones((1,), "float32"), name="b")
+        optimizer_a, optimizer_b = keras.optimizers.SGD(0.01), keras.optimizers.SGD(0.01)
+    x = np.arange(1, 9, dtype="float32").reshape(8, 1) / 4
+
+    def step(features):
+        def loss_of(fn):
+            return lambda: ks.compute_average_loss(ops.square(fn(features[:, 0]) - 1.0), global_batch_size=8)
+
+        _, grads = ks.value_and_grad(loss_of(lambda f: f * a), [a])
+        optimizer_a.apply_gradients(zip(grads, [a]))
+        loss, grads = ks.value_and_grad(loss_of(lambda f: f * a * b), [b])
+        optimizer_b.apply_gradients(zip(grads, [b]))
+        return loss
+
+    dataset = strategy.make_experimental_numpy_dataset(x).batch(8)
+    for _ in range(3):
+        for features in strategy.experimental_distribute_dataset(dataset):
+            strategy.run(step, args=(features,))
+    return [ops.convert_to_numpy(v) for v in (a, b)]
+
+
+def test_a_second_update_in_the_same_step_sees_the_first_one():
+    # Every replica's second loss must use `a` as the first update left it (on every replica).
+    expected = run_two_updates_per_step(ks.get_strategy())
+    got = run_two_updates_per_step(ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"]))
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, **TOL)
+
+
+def test_unsynchronized_batch_norm_ignores_replicas_with_empty_shards():
+    # Batches of 3 then 1 on 2 replicas: shards [2, 1], then [1, 0]. The learning rate is 0, so the
+    # Dense outputs are the row sums (2, 2 | 4, then 6). Momentum 0.5:
+    # step 1: mean 0.5 * mean(2, 4) = 1.5, variance 0.5 * 1 + 0.5 * mean(0, 0) = 0.5;
+    # step 2 (the empty replica's NaN statistics do not count): 0.5 * 1.5 + 0.5 * 6 = 3.75, 0.25.
+    x = np.array([[1, 1], [1, 1], [2, 2], [3, 3]], "float32")
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((2,)),
+            keras.layers.Dense(3, kernel_initializer="ones", use_bias=False),
+            keras.layers.BatchNormalization(momentum=0.5),
+            keras.layers.Dense(1),
+        ])
+        optimizer = keras.optimizers.SGD(0.0)
+
+    def step(features):
+        loss_fn = lambda: ks.compute_average_loss(ops.square(model(features, training=True))[:, 0])  # noqa: E731
+        loss, grads = ks.value_and_grad(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    dataset = strategy.make_experimental_numpy_dataset(x).batch(3)
+    for features in strategy.experimental_distribute_dataset(dataset):
+        strategy.run(step, args=(features,))
+    bn = model.layers[1]
+    np.testing.assert_allclose(ops.convert_to_numpy(bn.moving_mean), 3.75, atol=1e-6)
+    np.testing.assert_allclose(ops.convert_to_numpy(bn.moving_variance), 0.25, atol=1e-6)

@@ -62,20 +62,24 @@ class CustomStep:
             # cross-worker all-reduce: one replica runs a zero row with gradient weight 0.
             active, pieces = [0], [_zero_row(shards.local)]
         snapshot = keras_state.capture()
+        devices = [self.devices[i] for i in active]
+        # Stateful steps (TF, torch) write the variables themselves; JAX's return new states.
+        writes = self.strategy.extended._replica_writes(devices, record=engine.trainer.STATEFUL_STEPS)
 
         def replica(k, *_):
             i = active[k]
             replica_context = context.ReplicaContext(
                 self.strategy, k, in_program=True, gradient_weight=0.0 if idle else sizes[i] / batch
             )
-            with keras_state.installed(snapshot), context.enter_frame(self.strategy, replica_context):
+            with keras_state.installed(snapshot), context.enter_frame(self.strategy, replica_context), \
+                    writes.scope(k):
                 shard = data_adapter_utils.pack_x_y_sample_weight(*pieces[i]) if kind != "predict" else (pieces[i][0],)
-                return engine.trainer.call_step(self.model, kind, shard)
+                return engine.trainer.call_step(self.model, kind, shard, self.devices[i])
 
-        devices = [self.devices[i] for i in active]
-        run = engine.replicas.make_replicated(replica, devices, compiled=False)
+        run = engine.replicas.make_replicated(replica, devices, compiled=False, variables=self.model.trainable_variables)
         results = run((), [() for _ in devices])
-        return [r[0] for r in results], [r[1] for r in results], (shards, idle)
+        writes.combine()
+        return [r[0] for r in results], [r[1] for r in results], (shards, 0 if idle else len(active))
 
     def _combine_states(self, kind: str, states: list) -> None:
         """Stateless steps (JAX) return one state per replica; it is combined and assigned."""
@@ -97,10 +101,10 @@ class CustomStep:
     def _step(self, kind: str, data: Any) -> dict:
         across_workers = self.strategy.extended._num_workers > 1
         before = worker_states.capture(self.model, kind) if across_workers else None
-        _, states, (_, idle) = self._run(kind, data)
+        _, states, (_, replicas_with_rows) = self._run(kind, data)
         self._combine_states(kind, states)
         if across_workers:
-            worker_states.combine(self.model, kind, self.strategy.extended, before, idle)
+            worker_states.combine(self.model, kind, self.strategy.extended, before, replicas_with_rows)
         return self.model.get_metrics_result()
 
     def train_step(self, data: Any) -> dict:
@@ -110,7 +114,8 @@ class CustomStep:
         return self._step("test", data)
 
     def predict_step(self, data: Any) -> Any:
-        outputs, _, (shards, idle) = self._run("predict", data)
+        outputs, _, (shards, replicas_with_rows) = self._run("predict", data)
+        idle = replicas_with_rows == 0
         host = self.devices[0]
         on_host = [tree.map_structure(lambda t: engine.devices.copy_to(ops.convert_to_tensor(t), host), o) for o in outputs]
         local = tree.map_structure(lambda *parts: ops.concatenate(parts, axis=0), *on_host) if len(on_host) > 1 else on_host[0]

@@ -3,8 +3,9 @@
 A model's own `train_step` / `test_step` updates metrics (and
 BatchNormalization statistics) with its worker's rows only. After the step,
 metric variables with `aggregation="sum"` (Keras' default for metric state)
-get the sum of every worker's change, and float non-trainable variables the
-mean over the workers that had rows, in one cross-worker all-reduce.
+get the sum of every worker's change, and float non-trainable variables (each
+worker's holds the mean over its replicas) the mean over all replicas that
+had rows, in one cross-worker all-reduce.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ def capture(model: Any, kind: str) -> list:
     return [_numpy(v.value) for v in metrics]
 
 
-def combine(model: Any, kind: str, extended: Any, before: list, idle: bool) -> None:
-    """Sums metric changes and averages non-trainable values across workers (`idle`: no rows here)."""
+def combine(model: Any, kind: str, extended: Any, before: list, replicas_with_rows: int) -> None:
+    """Sums metric changes and averages non-trainable values across workers, weighted by their replicas with rows."""
     metrics, non_trainable = _parts(model, kind)
     exchange = Exchange(extended._cross_worker_sum)
+    idle = replicas_with_rows == 0
     exchange.add("metrics", [np.zeros_like(old) if idle else _numpy(v.value) - old for v, old in zip(metrics, before)])
-    weight = 0.0 if idle else 1.0
+    weight = float(replicas_with_rows)
     exchange.add("non_trainable", [_numpy(v.value) * weight for v in non_trainable] + [np.array(weight, "float32")])
     result = exchange.run("metric and state all-reduce")
     for variable, old, delta in zip(metrics, before, result["metrics"]):

@@ -2,9 +2,16 @@
 
 import keras
 import numpy as np
+import pytest
 
 import keras_strategies as ks
-from test_loops import TOL, regression_data  # noqa: E402
+from test_loops import (  # noqa: E402
+    TOL,
+    assert_moving_statistics_average_the_replicas,
+    assert_same_training,
+    batch_norm_model,
+    regression_data,
+)
 
 
 class CountingModel(keras.Model):
@@ -59,3 +66,24 @@ def test_custom_steps_run_per_replica_and_train_exactly_like_one_device():
     )
     np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0), reference.predict(x, batch_size=4, verbose=0), **TOL)
     assert model.steps["test"] == 8 and model.steps["predict"] == 8
+
+
+class OwnTrainStep(keras.Model):
+    """A functional model whose `train_step` is its own (deferring to Keras')."""
+
+    def train_step(self, *args):
+        return super().train_step(*args)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_synchronized_batch_norm_in_a_custom_train_step_trains_exactly_like_one_device(replicas):
+    # Every replica runs the step and computes the same global statistics; the moving
+    # statistics move once per step (not once per replica), on every backend.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(10, 4, 4, 2)).astype("float32")
+    y = rng.normal(size=(10, 1)).astype("float32")
+    assert_same_training(lambda: batch_norm_model(True, model_class=OwnTrainStep), x, y, batch_size=4, replicas=replicas)
+
+
+def test_unsynchronized_batch_norm_in_a_custom_train_step_averages_the_replicas_moving_statistics():
+    assert_moving_statistics_average_the_replicas(OwnTrainStep)

@@ -156,13 +156,13 @@ def test_per_batch_logs_equal_one_device():
     np.testing.assert_allclose(got.losses, expected.losses, **TOL)
 
 
-def batch_norm_model(synchronized, kernel_size=3):
+def batch_norm_model(synchronized, kernel_size=3, model_class=keras.Model):
     inputs = keras.Input((4, 4, 2))
     hidden = keras.layers.Conv2D(3, kernel_size, padding="same", use_bias=False)(inputs)
     hidden = keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5)(hidden)
     hidden = keras.layers.ReLU()(hidden)
     outputs = keras.layers.Dense(1)(keras.layers.Flatten()(hidden))
-    model = keras.Model(inputs, outputs)
+    model = model_class(inputs, outputs)
     model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05))
     return model
 
@@ -176,20 +176,27 @@ def test_synchronized_batch_norm_trains_exactly_like_one_device(replicas):
     assert model.layers[2].synchronized
 
 
-def test_unsynchronized_batch_norm_uses_per_replica_statistics():
-    """Each replica normalises with its own shard's statistics; moving statistics average them."""
+def assert_moving_statistics_average_the_replicas(model_class=keras.Model):
+    """Unsynchronized BatchNormalization on 2 replicas whose shards are constant: the moving statistics are the means."""
     x = np.concatenate([np.zeros((2, 4, 4, 2)), np.full((2, 4, 4, 2), 4.0)]).astype("float32")
     y = np.zeros((4, 1), "float32")
     strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():
-        model = batch_norm_model(False, kernel_size=1)
+        model = batch_norm_model(False, kernel_size=1, model_class=model_class)
     conv = model.layers[1]
     conv.set_weights([np.ones_like(conv.get_weights()[0])])
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     bn = model.layers[2]
     # 1x1 conv outputs are constant per replica shard (0 and 8), so each shard's variance is 0
-    # and the moving variance is 0.5 * 1 + 0.5 * mean(0, 0) = 0.5 (one device: 0.5 + 0.5 * 16).
+    # and the moving variance is 0.5 * 1 + 0.5 * mean(0, 0) = 0.5 (one device: 0.5 + 0.5 * 16);
+    # the moving mean is 0.5 * 0 + 0.5 * mean(0, 8) = 2 (the first replica's alone: 0).
     np.testing.assert_allclose(keras.ops.convert_to_numpy(bn.moving_variance), 0.5, atol=1e-6)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(bn.moving_mean), 2.0, atol=1e-6)
+
+
+def test_unsynchronized_batch_norm_uses_per_replica_statistics():
+    """Each replica normalises with its own shard's statistics; moving statistics average them."""
+    assert_moving_statistics_average_the_replicas()
 
 
 def test_synchronized_batch_norm_works_outside_strategies_on_every_backend():

@@ -8,9 +8,8 @@ pass a mask (see `EQUAL_SHARDS`).
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,6 @@ from keras.src import tree
 
 from keras_strategies import replica_threads
 from keras_strategies.backend.jax.devices import device_scope, jax_device
-from keras_strategies.replica_variables import replica_copies
 
 EQUAL_SHARDS = True
 NATIVE_SYNC_BATCH_NORM = False
@@ -177,29 +175,23 @@ def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     return replica_threads.merge_call(fn, value)
 
 
-@contextlib.contextmanager
-def mirrored_variables(variables: Sequence[Any], device: str, replica_id: int) -> Iterator[None]:
-    """Replica `replica_id` computes with copies of `variables` on its own device.
-
-    Replica 0 uses the primary variables; the writes of the others are merged
-    as `replica_variables.replica_copies` says (metric deltas summed, the
-    rest dropped).
-    """
-    if replica_id == 0 or not variables:
-        yield
-        return
-    target = jax_device(device)
-    with replica_copies(variables, lambda value: jax.device_put(value, target),
-                        lambda delta, primary: jax.device_put(delta, next(iter(primary.devices())))):
-        yield
+def replica_view(value: Any, device: str) -> jax.Array:
+    """A primary variable's value as a replica reads it: on the replica's device (computations follow their inputs)."""
+    return jax.device_put(value, jax_device(device))
 
 
-def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:
+def onto(value: Any, like: Any) -> jax.Array:
+    """`value` on the device of `like`."""
+    return jax.device_put(value, next(iter(like.devices())))
+
+
+def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:
     """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica.
 
     Compiled: one jitted SPMD program; `shared` is replicated on the mesh and
     `per_replica` entries must have equal shapes. Eager: replica threads (any
     Python code, any shapes). Results come back as one entry per replica.
+    `variables` matters to engines whose replicas share per-variable state (torch's `.grad`).
     """
     if not compiled:
         def run_eagerly(shared: tuple, per_replica: Sequence[tuple]) -> list:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from keras_strategies.backend.jax.devices import copy_to
+
+# The step returns new states, combined by `CustomStep._combine_states`.
+STATEFUL_STEPS = False
+
 # Per step kind: the model's state as Keras' JAX trainer passes it, with how each
 # part is combined across replicas ("first": identical everywhere, "mean", "delta_sum").
 _STATE = {
@@ -24,9 +29,13 @@ def state_parts(model: Any, kind: str) -> list:
     return parts
 
 
-def call_step(model: Any, kind: str, data: Any) -> tuple[Any, Any]:
-    """Calls `model.<kind>_step`; returns `(logs or outputs, new state or None)`."""
-    state = tuple([v.value for v in variables] for variables, _ in state_parts(model, kind))
+def call_step(model: Any, kind: str, data: Any, device: str) -> tuple[Any, Any]:
+    """Calls `model.<kind>_step` on `device`; returns `(logs or outputs, new state or None)`.
+
+    The state goes to the replica's device first: computations follow their
+    committed inputs, so replicas would otherwise all run where the variables live.
+    """
+    state = tuple([copy_to(v.value, device) for v in variables] for variables, _ in state_parts(model, kind))
     result = getattr(model, f"{kind}_step")(state, data)
     if kind == "predict":  # (outputs, non_trainable_variables); inference changes no state
         return result[0], None

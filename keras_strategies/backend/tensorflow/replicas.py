@@ -7,7 +7,6 @@ all-reduce, differentiable as in `tf.distribute`.
 
 from __future__ import annotations
 
-import contextlib
 
 from typing import Any, Callable, Sequence
 
@@ -99,13 +98,21 @@ def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     return context.merge_call(merge_fn, args=(value,))
 
 
-def mirrored_variables(variables: Sequence[Any], device: str, replica_id: int) -> contextlib.AbstractContextManager:
-    """Replicas read the primary variables directly (the backend copies across devices)."""
-    return contextlib.nullcontext()
+def replica_view(value: Any, device: str) -> Any:
+    """A primary variable as a replica reads it: the variable itself (TensorFlow copies across devices)."""
+    return value
 
 
-def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:
-    """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica."""
+def onto(value: Any, like: Any) -> Any:
+    """`value` for arithmetic with `like` (TensorFlow copies across devices itself)."""
+    return value
+
+
+def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:
+    """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica.
+
+    `variables` matters to engines whose replicas share per-variable state (torch's `.grad`).
+    """
     strategy = _tf_strategy(devices)
 
     def step(shared, distributed):

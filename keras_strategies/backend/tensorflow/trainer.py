@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+# The step writes the model's variables itself (see `keras_strategies.replica_variables`).
+STATEFUL_STEPS = True
+
 
 def state_parts(model: Any, kind: str) -> list:
     """Stateful steps update the model's variables themselves: no state to combine."""
     return []
 
 
-def call_step(model: Any, kind: str, data: Any) -> tuple[Any, Any]:
-    """Calls `model.<kind>_step(data)`; returns `(logs or outputs, None)`."""
+def call_step(model: Any, kind: str, data: Any, device: str) -> tuple[Any, Any]:
+    """Calls `model.<kind>_step(data)` (on `device`, set by the replica); returns `(logs or outputs, None)`."""
     return getattr(model, f"{kind}_step")(data), None

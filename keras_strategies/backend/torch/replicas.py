@@ -7,15 +7,12 @@ all-reduces the incoming gradients the same way.
 
 from __future__ import annotations
 
-import contextlib
-
 from typing import Any, Callable, Sequence
 
 import torch
 
 from keras_strategies import replica_threads
 from keras_strategies.backend.torch.devices import torch_device
-from keras_strategies.replica_variables import replica_copies
 
 # Replicas may have different shard sizes: each runs its own shard unpadded.
 EQUAL_SHARDS = False
@@ -83,23 +80,45 @@ def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     return replica_threads.merge_call(fn, value)
 
 
-def mirrored_variables(variables: Sequence[Any], device: str, replica_id: int) -> contextlib.AbstractContextManager:
-    """Replicas read the primary trainable variables (autograd differentiates them there).
+def replica_view(value: Any, device: str) -> Any:
+    """A primary variable's value as a replica reads it: the tensor itself (autograd differentiates it there)."""
+    return value
 
-    Replicas after the first compute with copies of the non-trainable ones
-    (BatchNormalization statistics, metric state), whose writes are merged
-    as `replica_variables.replica_copies` says.
+
+def onto(value: Any, like: Any) -> torch.Tensor:
+    """`value` on the device of `like`."""
+    return value.to(like.device)
+
+
+class _PrivateGrads(replica_threads.ThreadState):
+    """Each replica's own `.grad` on the shared parameters.
+
+    Keras' torch `train_step` (and code written like it) calls
+    `zero_grad()` and `loss.backward()` and reads `.grad`; replicas take
+    turns at collectives, also inside a backward pass (synchronized
+    BatchNormalization), so without this they would clear and add to each
+    other's gradients.
     """
-    copied = [v for v in variables if not v.trainable]
-    if replica_id == 0 or not copied:
-        return contextlib.nullcontext()
-    target = torch_device(device)
-    return replica_copies(copied, lambda value: value.detach().to(target, copy=True),
-                          lambda delta, primary: delta.to(primary.device))
+
+    def __init__(self, parameters: list, size: int):
+        self.parameters = parameters
+        initial = [p.grad for p in parameters]
+        self.grads = {k: [None if g is None else g.clone() if k else g for g in initial] for k in range(size)}
+
+    def save(self, replica_id: int) -> None:
+        self.grads[replica_id] = [p.grad for p in self.parameters]
+
+    def restore(self, replica_id: int) -> None:
+        for parameter, grad in zip(self.parameters, self.grads[replica_id]):
+            parameter.grad = grad
 
 
-def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Callable:
-    """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica."""
+def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:
+    """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica.
+
+    `variables`: the trainable ones get a private `.grad` per replica.
+    """
+    parameters = [v.value for v in variables if v.trainable and isinstance(v.value, torch.Tensor)]
 
     def run(shared: tuple, per_replica: Sequence[tuple]) -> list:
         if len(devices) == 1:
@@ -108,6 +127,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool) -> Cal
             lambda i: fn(i, *shared, *per_replica[i]),
             len(devices),
             lambda i: torch.device(torch_device(devices[i])),
+            _PrivateGrads(parameters, len(devices)) if parameters else None,
         )
 
     return run
