@@ -29,6 +29,7 @@ from keras_strategies.multi_worker.cluster import WorkerCluster, resolve
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.multi_worker.health import HealthMonitor
 from keras_strategies.reduce_op import ReduceOp
+from keras_strategies.replica_variables import FIRST
 from keras_strategies.strategy import Strategy
 from keras_strategies.values import PerReplica, is_distributed
 
@@ -263,13 +264,39 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         self._sync_variables_from_chief()
         return super()._call_for_each_replica(fn, args, kwargs)
 
-    def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
-        if self._cluster.num_workers == 1:
-            return super()._run_keras_method(name, method, model, args, kwargs)
-        from keras_strategies.trainer.loops import LOOPS
+    def _combine_writes(self, writes) -> None:
+        writes.combine(self._written_across_workers if self._cluster.num_workers > 1 else None)
 
-        with self._container.scope():
-            return LOOPS[name](model, self._container, *args, **kwargs)
+    def _written_across_workers(self, items: list) -> list:
+        """Every worker's combined writes of one `run`: metric changes add up, float values average.
+
+        Eagerly, the workers first compare how many values they wrote (one small
+        collective per `run`), so that different writes give a clear error
+        rather than a collective mismatch; a traced program is the same on
+        every worker.
+        """
+        if engine.collectives.tracing():
+            if not items:
+                return items
+        else:
+            sizes = self._rows_from_every_worker(
+                [len(items), sum(int(np.prod(variable.shape)) for variable, *_ in items)], "written variables check"
+            )
+            if len({tuple(row) for row in sizes.tolist()}) != 1:
+                described = self._described(sizes, lambda row: f"{int(row[0])} variable(s), {int(row[1])} values")
+                raise RuntimeError(
+                    f"The workers wrote different variables in strategy.run ({described}). Every worker "
+                    "must run the same replica function on the same models."
+                )
+            if not items:
+                return items
+        chief = self._cluster.is_chief
+        # The cluster's first replica is the chief's: for FIRST values the others send zeros.
+        sent = [ops.zeros_like(value) if kind == FIRST and not chief else value for _, kind, value, _ in items]
+        weights = ops.stack([ops.cast(weight, "float32") for *_, weight in items])
+        *summed, total_weights = self._cross_worker_sum(sent + [weights], "variables written in strategy.run")
+        return [(variable, kind, total, total_weights[i])
+                for i, ((variable, kind, _, _), total) in enumerate(zip(items, summed))]
 
 
 class MultiWorkerMirroredStrategy(Strategy):

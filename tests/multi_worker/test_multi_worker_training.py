@@ -42,7 +42,8 @@ def run(request, tmp_path_factory):
 
 def test_every_worker_holds_identical_weights(run):
     _, _, (first, second) = run
-    for key in ("fit_weights", "loop_weights", "bn_loop_weights", "shuffled_weights", "own_weights", "bn_weights"):
+    for key in ("fit_weights", "loop_weights", "bn_loop_weights", "unsync_loop_weights", "shuffled_weights",
+                "own_weights", "bn_weights"):
         for a, b in zip(_weights(first, key), _weights(second, key)):
             np.testing.assert_array_equal(a, b)
 
@@ -91,6 +92,14 @@ def test_custom_loop_equals_a_single_process_run(run, name, build):
         np.testing.assert_allclose(worker[f"{name}_losses"], losses, **TOL)
         for got, expected in zip(_weights(worker, f"{name}_weights"), model.get_weights()):
             np.testing.assert_allclose(got, expected, **TOL)
+
+
+def test_metrics_updated_in_strategy_run_are_global_on_every_worker(run):
+    # Every sample once: the mean of the first feature and the row count of the whole dataset.
+    _, _, results = run
+    x, _ = data()
+    for worker in results:
+        np.testing.assert_allclose(worker["loop_metrics"], [x[:, 0].mean(), len(x)], **TOL)
 
 
 def test_collectives_span_every_replica_of_every_worker(run):

@@ -24,13 +24,13 @@ def build_model():
     return model
 
 
-def build_sync_bn_model():
+def build_sync_bn_model(synchronized=True):
     """Batch statistics over the whole global batch, i.e. over every replica of every worker."""
     model = keras.Sequential([
         keras.Input((5,)),
         # No bias before BatchNormalization: its gradient is rounding noise, which Adam would amplify.
         keras.layers.Dense(8, use_bias=False),
-        keras.layers.BatchNormalization(synchronized=True),
+        keras.layers.BatchNormalization(synchronized=synchronized),
         keras.layers.Activation("tanh"),
         keras.layers.Dense(1),
     ])

@@ -20,7 +20,8 @@ from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, data, guide_loop, keras_run,
+    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, data, global_batch_sizes, guide_loop,
+    keras_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -61,6 +62,30 @@ def run_loop(name, build):
 run_loop("loop", build_model)
 # Synchronized BatchNormalization in the custom loop (JAX: sums between eager replica threads).
 run_loop("bn_loop", build_sync_bn_model)
+
+# A custom loop with metrics and unsynchronized BatchNormalization: the values written in
+# strategy.run combine across workers (metric totals add up, moving statistics average).
+with strategy.scope():
+    unsync_model = build_sync_bn_model(synchronized=False)
+    unsync_optimizer = keras.optimizers.SGD(0.05)
+    seen, rows = keras.metrics.Mean(), keras.metrics.Sum()
+
+
+def metrics_step(inputs, global_batch_size):
+    features, labels = inputs
+    seen.update_state(features[:, 0])
+    rows.update_state(ops.ones_like(features[:, 0]))
+    loss_fn = lambda: ks.compute_average_loss(  # noqa: E731
+        ops.square(unsync_model(features, training=True) - labels)[:, 0], global_batch_size=global_batch_size)
+    _, grads = ks.value_and_grad(loss_fn, unsync_model.trainable_variables)
+    unsync_optimizer.apply_gradients(zip(grads, unsync_model.trainable_variables))
+
+
+dist_dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
+for inputs, size in zip(dist_dataset, global_batch_sizes()):
+    strategy.run(metrics_step, args=(inputs, size))
+results["loop_metrics"] = np.array([float(seen.result()), float(rows.result())])
+results["unsync_loop_weights"] = unsync_model.get_weights()
 
 # A model with its own train_step / test_step / predict_step (run per replica).
 run_keras("own", build_own_steps_model)
