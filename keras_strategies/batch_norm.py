@@ -27,27 +27,10 @@ def _broadcast_rows(row_mask: Any, inputs: Any, dtype: str) -> Any:
     return ops.broadcast_to(ops.reshape(ops.cast(row_mask, dtype), shape), ops.shape(inputs))
 
 
-def _global_sum(replica_context: Any, value: Any) -> Any:
-    """Sums over every replica of every worker (differentiable).
-
-    In a model's own `train_step`, each replica differentiates its shard's
-    mean loss and its gradients are weighted by its share `w` of the batch
-    afterwards. The sum's backward pass must then send `w * dy` and return
-    the total over `w` (TF's and Keras' steps scale the loss first instead,
-    where the plain sum of incoming gradients is right).
-    """
-    weight = replica_context._gradient_weight
-    if weight is None:
-        return replica_context.strategy.extended._synchronized_sum(replica_context, value)
-    sent = [_gradient_scaled(v, 1.0 / weight if weight > 0 else 0.0) for v in value]
-    total = replica_context.strategy.extended._synchronized_sum(replica_context, sent)
-    return [_gradient_scaled(t, weight) for t in total]
-
-
-def _gradient_scaled(value: Any, factor: float) -> Any:
-    """`value` itself, whose gradient is multiplied by `factor`."""
-    scaled = value * factor
-    return ops.stop_gradient(value) + (scaled - ops.stop_gradient(scaled))
+def _global_sum(replica_context: Any, values: list) -> list:
+    """Sums over every replica of every worker (differentiable, also in a model's own `train_step`)."""
+    extended = replica_context.strategy.extended
+    return replica_context._differentiable(lambda v: extended._synchronized_sum(replica_context, v), values)
 
 
 def _replica_moments(layer: Any, inputs: Any, mask: Any, replica_context: Any, synchronized: bool):

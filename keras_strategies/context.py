@@ -12,6 +12,9 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
+from keras import ops
+from keras.src import tree
+
 from keras_strategies.reduce_op import ReduceOp
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -170,7 +173,28 @@ class ReplicaContext:
 
     def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
         """Reduces a nested structure across replicas; every replica gets the result."""
-        return self._strategy.extended._all_reduce(self, ReduceOp.parse(reduce_op), value)
+        op = ReduceOp.parse(reduce_op)
+        return self._differentiable(lambda v: self._strategy.extended._all_reduce(self, op, v), value)
+
+    def _differentiable(self, reduce: Callable[[Any], Any], value: Any) -> Any:
+        """`reduce(value)`, a linear reduction over replicas, with the gradient a custom `train_step` needs.
+
+        There each replica differentiates its shard's mean loss, and the
+        optimizer weights its gradients by its share `w` of the batch
+        afterwards. The reduction's backward pass must then send `w * dy`
+        and return the result over `w` (Keras' own steps scale the loss
+        first instead, where the plain reduction of the gradients is right).
+        """
+        weight = self._gradient_weight
+        if weight is None:
+            return reduce(value)
+
+        def scaled(tensor: Any, factor: float) -> Any:  # `tensor` itself; its gradient times `factor`
+            product = tensor * factor
+            return ops.stop_gradient(tensor) + (product - ops.stop_gradient(product))
+
+        sent = tree.map_structure(lambda t: scaled(t, 1.0 / weight if weight > 0 else 0.0), value)
+        return tree.map_structure(lambda t: scaled(t, weight), reduce(sent))
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates a nested structure across replicas along `axis` (sizes may differ)."""

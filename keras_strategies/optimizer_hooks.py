@@ -77,7 +77,9 @@ def _aggregate(replica_context: Any, grads: Any) -> list:
     present = [i for i, g in enumerate(grads) if g is not None]
     weight = replica_context._gradient_weight
     local = [grads[i] if weight is None else grads[i] * weight for i in present]
-    for i, g in zip(present, replica_context.all_reduce(ReduceOp.SUM, local)):
+    # Not `replica_context.all_reduce`: nothing differentiates this sum, so it needs no gradient rule.
+    summed = replica_context.strategy.extended._all_reduce(replica_context, ReduceOp.SUM, local)
+    for i, g in zip(present, summed):
         grads[i] = g
     return grads
 

@@ -87,3 +87,39 @@ def test_synchronized_batch_norm_in_a_custom_train_step_trains_exactly_like_one_
 
 def test_unsynchronized_batch_norm_in_a_custom_train_step_averages_the_replicas_moving_statistics():
     assert_moving_statistics_average_the_replicas(OwnTrainStep)
+
+
+class GlobalSumPenalty(keras.layers.Layer):
+    """Adds 0.01 * (sum of its inputs over the whole global batch), summed with `ReplicaContext.all_reduce`."""
+
+    def call(self, inputs):
+        replica_context = ks.get_replica_context()
+        total = keras.ops.sum(inputs)
+        if replica_context is not None:  # None while Keras builds the model in cross-replica context
+            total = replica_context.all_reduce("sum", total)
+        self.add_loss(0.01 * total)
+        return inputs
+
+
+def test_a_differentiable_all_reduce_in_a_custom_train_step_trains_exactly_like_one_device():
+    # Each replica's gradients are weighted by its shard's share afterwards (shards [2, 1, 1],
+    # then [1, 1, 0]): the all_reduce's backward pass must weigh the gradients it sums. Only
+    # `fit` runs the model's own step; `evaluate` runs Keras' (whose padding rows enter this
+    # data-dependent add_loss term on uneven shards, as the README says), so it is not compared.
+    def build():
+        inputs = keras.Input((3,))
+        hidden = GlobalSumPenalty()(keras.layers.Dense(4, activation="tanh")(inputs))
+        model = OwnTrainStep(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05))
+        return model
+
+    x, y = regression_data(10)
+    reference = build()
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+    with strategy.scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    kwargs = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(model.fit(x, y, **kwargs).history["loss"], reference.fit(x, y, **kwargs).history["loss"], **TOL)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, **TOL)
