@@ -35,12 +35,13 @@ class RecordingScope(StatelessScope):
 
     Lookups fall back to an enclosing scope, then to the variable itself, so
     nested stateless code (e.g. `ks.value_and_grad` inside a replica) still
-    sees the outer mapping.
+    sees the outer mapping. It collects `add_loss` terms (a `StatelessScope`
+    without `collect_losses` drops them): each replica keeps its own.
     """
 
     def __init__(self, state_mapping: list):
         self.parent = get_stateless_scope()
-        super().__init__(state_mapping=state_mapping)
+        super().__init__(state_mapping=state_mapping, collect_losses=True)
         self.assigned: dict = {}
 
     def add_update(self, update: tuple) -> None:

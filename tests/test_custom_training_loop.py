@@ -146,11 +146,8 @@ if keras.backend.backend() == "tensorflow":
             np.testing.assert_allclose(got, expected, **TOL)
 
 
-def test_unsynchronized_batch_norm_in_the_guide_loop_averages_the_replicas_moving_statistics():
-    # Two replicas whose shards are constant after the first layer (0 and 8): each replica's
-    # batch variance is 0 and its mean 0 or 8. The moving statistics are the replicas' mean, as
-    # tf-keras' ON_READ / MEAN statistics read (the first replica's alone: mean 0).
-    x = np.concatenate([np.zeros((2, 2)), np.full((2, 2), 4.0)]).astype("float32")
+def row_sums_batch_norm_model(learning_rate):
+    """2 replicas; Dense(3) with unit kernel (each output is the row sum) -> BatchNormalization(momentum 0.5) -> Dense."""
     strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():
         model = keras.Sequential([
@@ -159,7 +156,16 @@ def test_unsynchronized_batch_norm_in_the_guide_loop_averages_the_replicas_movin
             keras.layers.BatchNormalization(momentum=0.5),
             keras.layers.Dense(1),
         ])
-        optimizer = keras.optimizers.SGD(0.05)
+        optimizer = keras.optimizers.SGD(learning_rate)
+    return strategy, model, optimizer
+
+
+def test_unsynchronized_batch_norm_in_the_guide_loop_averages_the_replicas_moving_statistics():
+    # Two replicas whose shards are constant after the first layer (0 and 8): each replica's
+    # batch variance is 0 and its mean 0 or 8. The moving statistics are the replicas' mean, as
+    # tf-keras' ON_READ / MEAN statistics read (the first replica's alone: mean 0).
+    x = np.concatenate([np.zeros((2, 2)), np.full((2, 2), 4.0)]).astype("float32")
+    strategy, model, optimizer = row_sums_batch_norm_model(learning_rate=0.05)
     dataset = strategy.make_experimental_numpy_dataset((x, np.zeros((4, 1), "float32"))).batch(GLOBAL_BATCH)
     guide_loop(strategy, model, optimizer, dataset, ks, n=4)
     bn = model.layers[1]
@@ -206,15 +212,7 @@ def test_unsynchronized_batch_norm_ignores_replicas_with_empty_shards():
     # step 1: mean 0.5 * mean(2, 4) = 1.5, variance 0.5 * 1 + 0.5 * mean(0, 0) = 0.5;
     # step 2 (the empty replica's NaN statistics do not count): 0.5 * 1.5 + 0.5 * 6 = 3.75, 0.25.
     x = np.array([[1, 1], [1, 1], [2, 2], [3, 3]], "float32")
-    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
-    with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((2,)),
-            keras.layers.Dense(3, kernel_initializer="ones", use_bias=False),
-            keras.layers.BatchNormalization(momentum=0.5),
-            keras.layers.Dense(1),
-        ])
-        optimizer = keras.optimizers.SGD(0.0)
+    strategy, model, optimizer = row_sums_batch_norm_model(learning_rate=0.0)
 
     def step(features):
         loss_fn = lambda: ks.compute_average_loss(ops.square(model(features, training=True))[:, 0])  # noqa: E731
@@ -228,3 +226,27 @@ def test_unsynchronized_batch_norm_ignores_replicas_with_empty_shards():
     bn = model.layers[1]
     np.testing.assert_allclose(ops.convert_to_numpy(bn.moving_mean), 3.75, atol=1e-6)
     np.testing.assert_allclose(ops.convert_to_numpy(bn.moving_variance), 0.25, atol=1e-6)
+
+
+def run_activity_regularized_loop(strategy):
+    """The guide's loop on a model whose activity regularizer adds a loss in `call` (`model.losses`)."""
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((5,)),
+            keras.layers.Dense(4, activation="tanh", activity_regularizer=keras.regularizers.L2(0.1)),
+            keras.layers.Dense(1),
+        ])
+        optimizer = keras.optimizers.SGD(0.05)
+    dataset = strategy.make_experimental_numpy_dataset(regression_data()).batch(GLOBAL_BATCH)
+    return guide_loop(strategy, model, optimizer, dataset, ks), model.get_weights()
+
+
+def test_add_loss_terms_count_on_every_replica_in_the_guide_loop():
+    # Shards are even on 2 replicas (8 + 8, then 1 + 1), where the guide's
+    # scale_regularization_loss of per-shard means is exact.
+    expected_losses, expected_weights = run_activity_regularized_loop(ks.get_strategy())
+    losses, weights = run_activity_regularized_loop(ks.MirroredStrategy(devices=["cpu:0", "cpu:1"]))
+    np.testing.assert_allclose(losses, expected_losses, **TOL)
+    for got, expected in zip(weights, expected_weights):
+        np.testing.assert_allclose(got, expected, **TOL)
