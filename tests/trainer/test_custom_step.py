@@ -8,6 +8,7 @@ import keras_strategies as ks
 from test_loops import (  # noqa: E402
     TOL,
     assert_moving_statistics_average_the_replicas,
+    assert_same_fit,
     assert_same_training,
     batch_norm_model,
     regression_data,
@@ -48,17 +49,7 @@ def build():
 
 def test_custom_steps_run_per_replica_and_train_exactly_like_one_device():
     x, y = regression_data(10)  # batch 4 on 3 replicas: shards [2, 1, 1], then [1, 1, 0]
-    reference = build()
-    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
-    with strategy.scope():
-        model = build()
-    model.set_weights(reference.get_weights())
-    kwargs = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
-    expected, got = reference.fit(x, y, **kwargs).history, model.fit(x, y, **kwargs).history
-    for key in expected:
-        np.testing.assert_allclose(got[key], expected[key], err_msg=key, **TOL)
-    for got_w, expected_w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got_w, expected_w, **TOL)
+    model, reference = assert_same_fit(build, x, y, batch_size=4, replicas=3)
     # 3 batches per epoch: 3 + 3 + 2 replica calls (the last batch leaves replica 2 empty).
     assert model.steps["train"] == 2 * 8
     np.testing.assert_allclose(
@@ -114,12 +105,4 @@ def test_a_differentiable_all_reduce_in_a_custom_train_step_trains_exactly_like_
         return model
 
     x, y = regression_data(10)
-    reference = build()
-    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
-    with strategy.scope():
-        model = build()
-    model.set_weights(reference.get_weights())
-    kwargs = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
-    np.testing.assert_allclose(model.fit(x, y, **kwargs).history["loss"], reference.fit(x, y, **kwargs).history["loss"], **TOL)
-    for got, expected in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, expected, **TOL)
+    assert_same_fit(build, x, y, batch_size=4, replicas=3)

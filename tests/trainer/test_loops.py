@@ -51,7 +51,8 @@ def image_data(n):
     return rng.normal(size=(n, 6, 6, 2)).astype("float32"), rng.integers(0, 3, size=(n,))
 
 
-def assert_same_training(build, x, y, batch_size, replicas, epochs=2, **fit_kwargs):
+def assert_same_fit(build, x, y, batch_size, replicas, epochs=2, **fit_kwargs):
+    """`fit` of `build()` on `replicas` devices equals one device (logs and weights); returns `(model, reference)`."""
     reference = build()
     strategy = ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
@@ -64,6 +65,12 @@ def assert_same_training(build, x, y, batch_size, replicas, epochs=2, **fit_kwar
         np.testing.assert_allclose(got[key], expected[key], err_msg=key, **TOL)
     for got_w, expected_w in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got_w, expected_w, **TOL)
+    return model, reference
+
+
+def assert_same_training(build, x, y, batch_size, replicas, epochs=2, **fit_kwargs):
+    """`fit`, then `evaluate` and `predict`, equal one device."""
+    model, reference = assert_same_fit(build, x, y, batch_size, replicas, epochs, **fit_kwargs)
     np.testing.assert_allclose(
         model.evaluate(x, y, batch_size=batch_size, verbose=0),
         reference.evaluate(x, y, batch_size=batch_size, verbose=0), **TOL,
