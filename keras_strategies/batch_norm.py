@@ -64,8 +64,8 @@ def _wrap_moments(original: Callable) -> Callable:
         if replica_context is not None and replica_context.num_replicas_in_sync > 1:
             # Own statistics per replica, averaged into the moving ones at the end of the run:
             # a replica with an empty shard (whose statistics are NaN) does not count.
-            rows = ops.cast(ops.greater(ops.shape(inputs)[0], 0), "float32")
-            weigh_writes([self.moving_mean, self.moving_variance], rows)
+            weigh_writes([self.moving_mean, self.moving_variance],
+                         lambda: ops.cast(ops.greater(ops.shape(inputs)[0], 0), "float32"))
         if self.synchronized and not engine.replicas.NATIVE_SYNC_BATCH_NORM:
             # One replica: the global statistics are the local ones.
             self.synchronized = False

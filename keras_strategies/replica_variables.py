@@ -85,14 +85,19 @@ class ReplicaScope(RecordingScope):
         return cached[1]
 
 
-def weigh_writes(variables: Sequence[Any], weight: Any) -> None:
-    """Weighs the calling replica's writes of `variables` (e.g. 0 for statistics of an empty shard)."""
+def weigh_writes(variables: Sequence[Any], weight: Callable[[], Any]) -> None:
+    """Weighs the calling replica's writes of `variables` (e.g. 0 for statistics of an empty shard).
+
+    `weight()` is computed only inside a replica's scope: elsewhere (Keras'
+    own steps, one replica) nothing combines the writes.
+    """
     scope = get_stateless_scope()
     while scope is not None and not isinstance(scope, ReplicaScope):
         scope = getattr(scope, "parent", None)
     if scope is not None:
+        value = weight()
         for variable in variables:
-            scope.weigh(variable, weight)
+            scope.weigh(variable, value)
 
 
 @contextlib.contextmanager

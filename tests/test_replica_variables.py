@@ -72,7 +72,7 @@ def test_a_write_weighed_zero_does_not_count_even_if_it_is_nan():
     with writes.scope(1):
         statistic.assign(np.full(2, np.nan, "float32"))
         untouched_by_all.assign(np.full(2, np.nan, "float32"))
-        weigh_writes([statistic, untouched_by_all], 0.0)
+        weigh_writes([statistic, untouched_by_all], lambda: 0.0)
     writes.combine()
     np.testing.assert_allclose(value(statistic), 5.0)
     np.testing.assert_allclose(value(untouched_by_all), 1.0)  # no write counted: unchanged
