@@ -9,6 +9,7 @@ one process.
 import os
 import sys
 
+import keras
 import numpy as np
 import pytest
 
@@ -44,6 +45,20 @@ def test_results_held_by_the_caller_survive_later_sums(results):
     for worker in workers:
         for i, expected in enumerate(_expected()):
             np.testing.assert_allclose(worker[f"held_{i}"], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_repeated_signatures_get_the_sums_of_each_call(results):
+    _, workers = results
+    for worker in workers:
+        for k in range(4):
+            for i, expected in enumerate(_expected()):
+                np.testing.assert_allclose(worker[f"repeated_{k}_{i}"], expected * (k + 1), rtol=1e-6, atol=1e-5)
+            np.testing.assert_array_equal(worker[f"between_{k}"], np.full((3,), 2 * k + 1.0))
+        past_cap = sorted(name for name in worker.files if name.startswith("past_cap_"))
+        assert len(past_cap) == (4 if keras.backend.backend() == "tensorflow" else 0)  # TF's keyed programs
+        for name in past_cap:
+            k, n = (int(part) for part in name.split("_")[2:])
+            np.testing.assert_array_equal(worker[name], np.full((n,), 2 * k + 1.0))
 
 
 def test_donated_values_are_summed_once_even_when_given_twice(results):

@@ -8,6 +8,7 @@ import os
 import sys
 
 import keras_strategies as ks
+from keras_strategies.backend import engine
 
 strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=120))
 
@@ -37,6 +38,22 @@ for _ in range(3):
     strategy.extended._cross_worker_sum([ops.convert_to_tensor(v * 3) for v in collective_values(task_id)], "later")
 for i, value in enumerate(held):
     results[f"held_{i}"] = ops.convert_to_numpy(value)
+
+# The same signatures again and again, with another one in between: every call gets its own
+# sums (TensorFlow's eager programs reuse their instance keys from call to call).
+for k in range(4):
+    scaled = [ops.convert_to_tensor(v * (k + 1)) for v in collective_values(task_id)]
+    for i, value in enumerate(strategy.extended._cross_worker_sum(scaled, "repeated")):
+        results[f"repeated_{k}_{i}"] = ops.convert_to_numpy(value)
+    between = strategy.extended._cross_worker_sum([np.full((3,), float(k + task_id), "float32")], "between")
+    results[f"between_{k}"] = ops.convert_to_numpy(between[0])
+# TensorFlow: signatures past the cap of keyed programs take the launcher's program (fresh keys).
+if hasattr(engine.collectives, "MAX_KEYED_SIGNATURES"):
+    engine.collectives.MAX_KEYED_SIGNATURES = len(engine.collectives._state["keyed"])
+    for k in range(2):
+        for n in (2, 9):
+            (total,) = strategy.extended._cross_worker_sum([np.full((n,), float(k + task_id), "float32")], "past the cap")
+            results[f"past_cap_{k}_{n}"] = ops.convert_to_numpy(total)
 
 # Donated, with the first (large) tensor given twice: shared memory must not be summed twice.
 donated_inputs = [ops.convert_to_tensor(v) for v in collective_values(task_id)]
