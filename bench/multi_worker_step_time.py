@@ -35,7 +35,11 @@ batch 256, so 128 rows per worker). Per backend it measures:
    - PyTorch: `torch.distributed.all_reduce` (gloo) of one flat tensor.
    Ours and raw alternate call by call, the same sequence on both workers.
    Reported: median ms per all-reduce, the payload rate (MB of payload / s) and
-   the ratio ours_rate / raw_rate (target >= 0.9). Also: ours on ~1 MB float32
+   the ratio ours_rate / raw_rate (target >= 0.9). For reference, also the raw
+   engine handed the same ten tensors as they are ("raw, per tensor"; no
+   target): one `CollectiveReduceV2` per tensor in one `tf.function`, one
+   jitted `psum` of the list (XLA's CPU runtime runs its operands one after the
+   other), `dist.all_reduce` of each tensor in turn. Also: ours on ~1 MB float32
    plus 256 targets as float32 vs as int32 (the engines run one collective per
    dtype, and a train step's exchange carries int32 targets).
 3. Where ks's train step spends its time (`--breakdown`, one more epoch after
@@ -491,6 +495,41 @@ def _raw(backend: str, total: int):
     return lambda: dist.all_reduce(flat)
 
 
+def _raw_per_tensor(backend: str, arrays: list):
+    """The engine's bare collective on the same list of tensors, as they are (no packing, no ks code)."""
+    tensors = _backend_tensors(backend, arrays)
+    if backend == "tensorflow":
+        import tensorflow as tf
+        from keras_strategies.backend.tensorflow import collectives
+
+        device = collectives._state["device"]
+        sums = [_tf_collective_sum() for _ in tensors]
+
+        @tf.function
+        def per_tensor(ts):
+            with tf.device(device):
+                return [collective_sum(t) for collective_sum, t in zip(sums, ts)]
+
+        return lambda: per_tensor(tensors)
+    if backend == "jax":
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        mesh, device, split = _jax_process_mesh()
+        blocks = [jax.make_array_from_single_device_arrays(
+            (mesh.size,) + tuple(t.shape), split, [jax.device_put(t[None], device)]) for t in tensors]
+        program = jax.jit(jax.shard_map(lambda *bs: jax.lax.psum(list(bs), "workers"), mesh=mesh,
+                                        in_specs=P("workers"), out_specs=P(), check_vma=False))
+        return lambda: jax.block_until_ready([out.addressable_data(0) for out in program(*blocks)])
+    import torch.distributed as dist
+
+    def run():
+        for t in tensors:
+            dist.all_reduce(t)
+
+    return run
+
+
 def _packed(backend: str, arrays: list):
     """A bare list-in, list-out all-reduce: one concatenation, the raw collective, one split (no ks code).
 
@@ -589,11 +628,12 @@ def _all_reduce_bench(backend: str, strategy, iters: int) -> tuple[list, dict]:
         arrays = [np.zeros(s, "float32") for s in shapes]
         times = _interleaved(
             {"ours": _ours(backend, strategy, arrays), "kept": _ours(backend, strategy, arrays, donated=False),
-             "raw": _raw(backend, total), "packed": _packed(backend, arrays)},
+             "raw": _raw(backend, total), "packed": _packed(backend, arrays),
+             "per_tensor": _raw_per_tensor(backend, arrays)},
             iters,
         )
         row = {"payload_mb": nbytes / 2**20, "tensors": len(shapes), "iterations": len(times["ours"])}
-        for name in ("ours", "kept", "raw", "packed"):
+        for name in ("ours", "kept", "raw", "packed", "per_tensor"):
             ms = statistics.median(times[name]) * 1e3
             row[f"{name}_ms"] = ms
             row[f"{name}_p10_ms"] = float(np.percentile(times[name], 10) * 1e3)
@@ -741,7 +781,8 @@ def run_parent(args) -> int:
                 for row in result.get("allreduce", []):
                     print(f"          all-reduce {row['payload_mb']:.4f} MB: ours {row['ours_ms']:.3f} ms (p10 {row['ours_p10_ms']:.3f}), "
                           f"kept {row['kept_ms']:.3f} ms, "
-                          f"raw {row['raw_ms']:.3f} ms (p10 {row['raw_p10_ms']:.3f}), packed {row['packed_ms']:.3f} ms",
+                          f"raw {row['raw_ms']:.3f} ms (p10 {row['raw_p10_ms']:.3f}), packed {row['packed_ms']:.3f} ms, "
+                          f"raw per tensor {row.get('per_tensor_ms', float('nan')):.3f} ms",
                           file=sys.stderr, flush=True)
 
     errors = []
@@ -761,8 +802,9 @@ def run_parent(args) -> int:
     ]
     reduce_lines = [
         "| backend | payload | ours ms | ours MB/s | raw engine | raw ms | raw MB/s | ratio ours/raw (rate) | target "
-        "| ours, kept inputs ms (rate ratio) | packed ms (concat + raw + split) |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|",
+        "| ours, kept inputs ms (rate ratio) | packed ms (concat + raw + split) "
+        "| raw, per tensor ms (ours/it, rate) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for backend in backends:
         ours_runs = [r for r in runs[(backend, "ks")] if "error" not in r]
@@ -814,7 +856,9 @@ def run_parent(args) -> int:
                 f"| {backend} | {size} in {rows[0]['tensors']} tensors | {o_ms:.3f} | {payload / o_ms * 1e3:.0f} | "
                 f"{RAW_NAMES[backend]} | {r_ms:.3f} | {payload / r_ms * 1e3:.0f} | {rr:.2f}{spread} | {target} | "
                 f"{_fmt(k_ms, '.3f')} ({_fmt(_median([row['raw_ms'] / row['kept_ms'] for row in rows if row.get('kept_ms')]))}) | "
-                f"{_fmt(_median(row.get('packed_ms') for row in rows), '.3f')} |"
+                f"{_fmt(_median(row.get('packed_ms') for row in rows), '.3f')} | "
+                f"{_fmt(_median(row.get('per_tensor_ms') for row in rows), '.3f')} "
+                f"({_fmt(_median([row['per_tensor_ms'] / row['ours_ms'] for row in rows if row.get('per_tensor_ms')]))}) |"
             )
 
     breakdown_lines = [
@@ -854,7 +898,8 @@ def run_parent(args) -> int:
                  "step:", cycle_lines)
     _print_table("All-reduce, ours (`strategy.extended._cross_worker_sum(tensors, donated=True)`, as the train step "
                  "sends its gradients) vs the raw engine (one pre-flattened buffer), worker 0; 'kept inputs' is the "
-                 "same call with donated=False:", reduce_lines)
+                 "same call with donated=False; 'raw, per tensor' is the engine given the same ten tensors as they "
+                 "are (reference, no target):", reduce_lines)
     if len(split_lines) > 2:  # more than the header and separator
         _print_table("One collective per dtype: `_cross_worker_sum` of the same payload with the targets as "
                      "float32 or int32 (medians, worker 0):", split_lines)
