@@ -496,8 +496,12 @@ def _raw(backend: str, total: int):
 
 
 def _raw_per_tensor(backend: str, arrays: list):
-    """The engine's bare collective on the same list of tensors, as they are (no packing, no ks code)."""
-    tensors = _backend_tensors(backend, arrays)
+    """The engine's bare collective on the same list of tensors, as they are (no packing, no ks code).
+
+    On copies of `arrays`: torch sums in place, and the other functions share
+    the arrays' memory.
+    """
+    tensors = _backend_tensors(backend, [a.copy() for a in arrays])
     if backend == "tensorflow":
         import tensorflow as tf
         from keras_strategies.backend.tensorflow import collectives

@@ -60,9 +60,8 @@ def initialize(cluster: Any, options: Any) -> None:
         task_id=cluster.task_id,
         rpc_layer=cluster.rpc_layer or "grpc",
     )
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=resolver, communication_options=_tf_options(options)
-    )
+    tf_options = _tf_options(options)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=tf_options)
     _state["strategy"] = strategy
     _state["launcher"] = strategy.extended._host_cross_device_ops._launchers[0]  # noqa: SLF001
     _state["device"] = strategy.extended._worker_device  # noqa: SLF001
@@ -70,8 +69,9 @@ def initialize(cluster: Any, options: Any) -> None:
     _state["task"] = (cluster.task_type, int(cluster.task_id))
     _state["eager_fn"] = tf.function(_packed_all_reduce, reduce_retracing=True)
     _state["num_workers"] = cluster.num_workers
-    _state["hint"] = options.implementation.value.lower()
-    _state["timeout"] = float(_tf_options(options).timeout_seconds)
+    # The eager programs' collectives take the launcher's settings.
+    _state["hint"] = tf_options.implementation.value.lower()
+    _state["timeout"] = float(tf_options.timeout_seconds)
     _state["keyed"] = {}
     _state["next_key"] = 1
 
