@@ -2,13 +2,27 @@
 
 The backend comes from KERAS_BACKEND (set by `make test`). Every test process
 gets 4 virtual CPU devices before the backend initialises, so tests can use
-1 to 4 replicas through device subsets.
+1 to 4 replicas through device subsets. On JAX, the run shares a persistent
+compilation cache (below).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_STRATEGIES_CPU_DEVICES", "4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# JAX: one persistent compilation cache for the run, shared with the workers, kernels and
+# scripts the tests start. The tests build the same small programs again and again (new
+# models, new processes), which XLA then compiles once each. Results are the same; the JAX
+# training tests take about a quarter less time.
+if os.environ.get("KERAS_BACKEND") == "jax" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _jax_cache = tempfile.mkdtemp(prefix="ks-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
