@@ -255,8 +255,15 @@ class ReplicaStep:
         return tree.map_structure(lambda *leaves: ops.concatenate(leaves, axis=0), *parts)
 
     def _metrics_update(self, loss, batch, x, y, y_pred, sample_weight):
-        self.model._loss_tracker.update_state(loss, sample_weight=batch)
-        return self.model.compute_metrics(x, y, y_pred, sample_weight)
+        model = self.model
+        model._loss_tracker.update_state(loss, sample_weight=batch)
+        compile_loss = getattr(model, "_compile_loss", None)
+        if compile_loss is not None and compile_loss.metrics:
+            # A model with several outputs also logs each output's loss (`<name>_loss`): Keras
+            # updates those trackers inside the compiled loss, whose updates the replicas
+            # discard, so they are updated here, on the global batch, as on one device.
+            compile_loss(y, y_pred, sample_weight)
+        return model.compute_metrics(x, y, y_pred, sample_weight)
 
     def _update_metrics(self, shards: Shards, loss: Any, y_pred: Any) -> dict:
         """Updates the metrics once on the global batch (compiled, as Keras' own steps)."""

@@ -6,7 +6,7 @@ import pytest
 from keras import ops
 
 import keras_strategies as ks
-from test_loops import TOL, assert_same_training, regression_data  # noqa: E402
+from test_loops import TOL, assert_same_fit, assert_same_training, regression_data  # noqa: E402
 
 BACKEND = keras.backend.backend()
 
@@ -50,6 +50,55 @@ def penalised_model():
 
 def test_dict_inputs_functional_model():
     assert_same_training(functional_two_inputs, *dict_data(11), batch_size=4, replicas=3)
+
+
+def two_output_model():
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="relu")(inputs)
+    outputs = {"a": keras.layers.Dense(1, activation="sigmoid", name="a")(hidden), "b": keras.layers.Dense(1, name="b")(hidden)}
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss={"a": "binary_crossentropy", "b": "mse"},
+                  loss_weights={"a": 0.5, "b": 1.0}, metrics={"a": ["accuracy"], "b": ["mae"]})
+    return model
+
+
+def two_output_data(n):
+    x, y = regression_data(n)
+    return x, {"a": (y > 0.5).astype("float32"), "b": y}
+
+
+def test_a_model_with_several_outputs_logs_each_outputs_loss_like_one_device():
+    x, targets = two_output_data(12)  # 3 batches of 4, on 3 replicas: 2 + 1 + 1 rows
+    model, reference = assert_same_fit(two_output_model, x, targets, batch_size=4, replicas=3)
+    assert {"a_loss", "b_loss"} <= set(model.history.history)
+    # Equal batches: on a partial one, Keras' own TensorFlow trainer logs another value (see below).
+    expected = reference.evaluate(x, targets, batch_size=4, return_dict=True, verbose=0)
+    got = model.evaluate(x, targets, batch_size=4, return_dict=True, verbose=0)
+    assert got.keys() == expected.keys() and got["a_loss"] > 0 and got["b_loss"] > 0
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], err_msg=key, **TOL)
+
+
+def test_each_outputs_loss_weighs_a_partial_last_batch_by_its_rows():
+    """The epoch's `<output>_loss` is the row-weighted mean of the batches' losses.
+
+    Computed by hand: Keras' own TensorFlow trainer logs another value here
+    (its relaxed retrace loses the batch size of the last batch).
+    """
+    x, targets = two_output_data(11)  # batches of 4, 4 and 3 rows
+    reference, model = _reference_and_mirrored(two_output_model, 3)
+    totals = {"a": 0.0, "b": 0.0}
+    for start in range(0, 11, 4):
+        rows = slice(start, start + 4)
+        batch = {name: target[rows] for name, target in targets.items()}
+        predicted = {name: ops.convert_to_numpy(p) for name, p in reference(x[rows]).items()}
+        totals["a"] += float(ops.sum(keras.losses.binary_crossentropy(batch["a"], predicted["a"])))
+        totals["b"] += float(np.sum(np.mean((predicted["b"] - batch["b"]) ** 2, axis=-1)))
+        reference.train_on_batch(x[rows], batch)
+    history = model.fit(x, targets, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(history["a_loss"], [totals["a"] / 11], **TOL)
+    np.testing.assert_allclose(history["b_loss"], [totals["b"] / 11], **TOL)
+    _assert_same_weights(model, reference)
 
 
 def test_subclassed_model_with_add_loss_counts_each_term_once():

@@ -17,5 +17,11 @@ def compile_step(fn: Callable) -> Callable:
 
 
 def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
-    """Compiles `fn`, which updates Keras variables in place, with `tf.function`."""
-    return tf.function(fn, reduce_retracing=True)
+    """Compiles `fn`, which updates Keras variables in place, with `tf.function`.
+
+    One trace per batch shape (as JAX compiles per shape), not a shape-relaxed
+    one: Keras weights the per-output loss trackers of a model with several
+    outputs by the static batch size (`shape[0]`), which a relaxed trace
+    loses, counting a partial last batch as one sample.
+    """
+    return tf.function(fn)
