@@ -21,6 +21,7 @@ from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_strategies.backend import engine
 from keras_strategies.input import worker_sharding
 from keras_strategies.multi_worker import chief_only
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
@@ -48,6 +49,24 @@ def replica_step(model: Any, strategy: Any) -> _Steps:
         step._key = key
         object.__setattr__(model, _STEP_ATTR, step)
     return step
+
+
+class _TrainingIterator(EpochIterator):
+    """Keras' epoch iterator over the batches that the backend's own `fit` would read.
+
+    With one worker, the same pipeline as Keras' trainer for this backend
+    (`tf.data` on TensorFlow, a `DataLoader` on torch), so that
+    `fit(shuffle=True)` takes the same batches as without a strategy under the
+    same seeds. With several workers, NumPy's order, which every worker seeds
+    from the chief.
+    """
+
+    def __init__(self, *args: Any, backend_batches: bool, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._batches = engine.trainer.epoch_batches(self.data_adapter) if backend_batches else None
+
+    def _get_iterator(self) -> Any:
+        return self._batches() if self._batches is not None else super()._get_iterator()
 
 
 def _per_worker_input(strategy: Any, x: Any) -> bool:
@@ -98,9 +117,10 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     if validation_data is not None:
         val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
 
-    epoch_iterator = EpochIterator(
+    epoch_iterator = _TrainingIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
         shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
+        backend_batches=strategy.extended._num_workers == 1,
     )
     model._symbolic_build(iterator=epoch_iterator)
     strategy.extended._sync_variables_from_chief()

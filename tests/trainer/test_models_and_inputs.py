@@ -101,6 +101,19 @@ def test_each_outputs_loss_weighs_a_partial_last_batch_by_its_rows():
     _assert_same_weights(model, reference)
 
 
+def test_shuffled_fit_takes_the_same_batches_as_one_device_under_the_same_seed():
+    from test_loops import dense_model
+
+    x, y = regression_data(20)
+    reference, model = _reference_and_mirrored(dense_model, 3)
+    histories = []
+    for fitted in (reference, model):
+        keras.utils.set_random_seed(5)
+        histories.append(fitted.fit(x, y, batch_size=4, epochs=2, shuffle=True, verbose=0).history)
+    np.testing.assert_allclose(histories[1]["loss"], histories[0]["loss"], **TOL)
+    _assert_same_weights(model, reference)
+
+
 def test_subclassed_model_with_add_loss_counts_each_term_once():
     # 10 samples with batch 4 on 2 replicas: even shards (2+2, then 1+1), so the data-mean term
     # is exact on every backend (JAX pads uneven shards, and padding rows would enter that mean).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from keras_strategies.backend.jax.devices import copy_to
 
@@ -40,3 +40,8 @@ def call_step(model: Any, kind: str, data: Any, device: str) -> tuple[Any, Any]:
     if kind == "predict":  # (outputs, non_trainable_variables); inference changes no state
         return result[0], None
     return result
+
+
+def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
+    """The training batches Keras' own JAX trainer reads: NumPy's order (`fit(shuffle=True)` shuffles with NumPy's seed)."""
+    return data_adapter.get_numpy_iterator

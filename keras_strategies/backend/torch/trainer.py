@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 # The step writes the model's variables itself (see `keras_strategies.replica_variables`).
 STATEFUL_STEPS = True
@@ -16,3 +16,12 @@ def state_parts(model: Any, kind: str) -> list:
 def call_step(model: Any, kind: str, data: Any, device: str) -> tuple[Any, Any]:
     """Calls `model.<kind>_step(data)` (on `device`, set by the replica); returns `(logs or outputs, None)`."""
     return getattr(model, f"{kind}_step")(data), None
+
+
+def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
+    """The training batches Keras' own torch trainer reads: its `DataLoader`.
+
+    So that `fit(shuffle=True)` draws the same order from torch's seed as
+    training without a strategy.
+    """
+    return data_adapter.get_torch_dataloader
