@@ -54,11 +54,13 @@ def replica_step(model: Any, strategy: Any) -> _Steps:
 class _TrainingIterator(EpochIterator):
     """Keras' epoch iterator over the batches that the backend's own `fit` would read.
 
-    With one worker, the same pipeline as Keras' trainer for this backend
+    `backend_batches`: the same pipeline as Keras' trainer for this backend
     (`tf.data` on TensorFlow, a `DataLoader` on torch), so that
     `fit(shuffle=True)` takes the same batches as without a strategy under the
-    same seeds. With several workers, NumPy's order, which every worker seeds
-    from the chief.
+    same seeds. Otherwise NumPy's iterator: the same order when nothing is
+    shuffled, at a fraction of the cost per batch (~10 us against ~60 us for a
+    `DataLoader` and ~300 us for eager `tf.data`), and the order every worker
+    shares under several workers (seeded from the chief).
     """
 
     def __init__(self, *args: Any, backend_batches: bool, **kwargs: Any):
@@ -120,7 +122,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     epoch_iterator = _TrainingIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
         shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
-        backend_batches=strategy.extended._num_workers == 1,
+        backend_batches=bool(shuffle) and strategy.extended._num_workers == 1,
     )
     model._symbolic_build(iterator=epoch_iterator)
     strategy.extended._sync_variables_from_chief()
