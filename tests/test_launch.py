@@ -368,7 +368,6 @@ def test_cli_sigint_exits_130_and_leaves_no_workers(job):
 @pytest.mark.parametrize("module", [["-m", "keras_strategies.launch"], ["-mkeras_strategies.launch"]])
 def test_the_launcher_process_imports_no_ml_framework(module):
     """`python -m keras_strategies.launch` defers the package's API (and Keras) to first use."""
-    probe = "import sys; print(sorted({'keras', 'tensorflow', 'jax', 'torch'} & set(sys.modules)))"
     result = subprocess.run(  # -X importtime lists every module the process imports
         [sys.executable, "-X", "importtime", *module, "--help"], capture_output=True, text=True, timeout=60,
     )
@@ -376,7 +375,11 @@ def test_the_launcher_process_imports_no_ml_framework(module):
     assert result.stdout.startswith("usage: python -m keras_strategies.launch")
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
     assert not imported & {"keras", "tensorflow", "jax", "torch"}, sorted(imported)[:20]
-    # Any other process importing the package gets the whole API at once (hooks installed).
+
+
+def test_any_other_process_importing_the_package_gets_the_whole_api_at_once():
+    """The laziness is the launcher's alone: `import keras_strategies` installs the hooks (imports Keras)."""
+    probe = "import sys; print(sorted({'keras', 'tensorflow', 'jax', 'torch'} & set(sys.modules)))"
     full = subprocess.run([sys.executable, "-c", "import keras_strategies as ks; " + probe], capture_output=True,
                           text=True, timeout=120)
     assert "keras" in full.stdout, full.stderr[-2000:]
