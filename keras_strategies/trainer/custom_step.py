@@ -34,7 +34,7 @@ from keras_strategies import context, keras_state
 from keras_strategies.backend import engine
 from keras_strategies.input.splitting import split_batch
 from keras_strategies.trainer import cross_worker, worker_states
-from keras_strategies.trainer.replica_step import make_shards
+from keras_strategies.trainer.replica_step import as_tensors, make_shards
 
 
 def overrides_step(model: Any, kind: str) -> bool:
@@ -73,7 +73,8 @@ class CustomStep:
             )
             with keras_state.installed(snapshot), context.enter_frame(self.strategy, replica_context), \
                     writes.scope(k):
-                shard = data_adapter_utils.pack_x_y_sample_weight(*pieces[i]) if kind != "predict" else (pieces[i][0],)
+                piece = as_tensors(pieces[i])
+                shard = data_adapter_utils.pack_x_y_sample_weight(*piece) if kind != "predict" else (piece[0],)
                 return engine.trainer.call_step(self.model, kind, shard, self.devices[i])
 
         run = engine.replicas.make_replicated(replica, devices, compiled=False, variables=self.model.trainable_variables)

@@ -51,6 +51,16 @@ def _uses_sum_reduction(model: Any) -> bool:
     return {getattr(entry.loss, "reduction", None) for entry in flat} == {"sum"}
 
 
+def as_tensors(structure: Any) -> Any:
+    """The leaves of a shard as backend tensors, as Keras' own trainers hand them to a step.
+
+    Shards are cut as NumPy arrays; a model's `call` may mix its inputs with
+    tensors (`r - x` in an autoencoder's `add_loss`), which fails on PyTorch
+    with a NumPy `x`. Inside a compiled replica program they already are tensors.
+    """
+    return tree.map_structure(lambda leaf: None if leaf is None else ops.convert_to_tensor(leaf), structure)
+
+
 def _pad_rows(leaf: Any, rows: int) -> Any:
     if leaf is None:
         return None
@@ -185,6 +195,7 @@ class ReplicaStep:
 
     def _replica_train(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
         with self._enter(replica_id, mask):
+            x, y, sample_weight = as_tensors((x, y, sample_weight))
             grad_fn = engine.gradients.value_and_grad(functools.partial(self._objective, training=True))
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, weights)
             if self.reduce_in_program:
@@ -194,6 +205,7 @@ class ReplicaStep:
 
     def _replica_test(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
         with self._enter(replica_id, mask):
+            x, y, sample_weight = as_tensors((x, y, sample_weight))
             _, aux = self._objective(trainable, non_trainable, metrics, x, y, sample_weight, weights, training=False)
             if self.reduce_in_program:
                 aux = (self._local_sum(aux[0]),) + tuple(aux[1:])
@@ -201,6 +213,7 @@ class ReplicaStep:
 
     def _replica_predict(self, replica_id, trainable, non_trainable, x, mask):
         with self._enter(replica_id, mask):
+            x = as_tensors(x)
             kwargs = {"training": False} if self.model._call_has_training_arg else {}
             y_pred, _ = self.model.stateless_call(trainable, non_trainable, x, **kwargs)
         return y_pred

@@ -114,6 +114,38 @@ def test_shuffled_fit_takes_the_same_batches_as_one_device_under_the_same_seed()
     _assert_same_weights(model, reference)
 
 
+class Autoencoder(keras.Model):
+    """Trained by its `add_loss` alone (no targets, no compiled loss); `call` mixes its input with tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode, self.decode = keras.layers.Dense(2), keras.layers.Dense(3)
+
+    def call(self, x):
+        reconstruction = self.decode(self.encode(x))
+        self.add_loss(ops.mean(ops.square(reconstruction - x)))
+        return reconstruction
+
+
+class AutoencoderWithOwnSteps(Autoencoder):
+    def train_step(self, *args):
+        return super().train_step(*args)
+
+
+@pytest.mark.parametrize("model_class", [Autoencoder, AutoencoderWithOwnSteps], ids=["Keras steps", "own steps"])
+def test_a_model_trained_by_add_loss_alone_on_inputs_without_targets(model_class):
+    def build():
+        model = model_class()
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        model(np.zeros((1, 3), "float32"))
+        return model
+
+    x, _ = regression_data(12)  # batches of 6 on 3 replicas: even shards (JAX pads uneven ones)
+    model, reference = assert_same_fit(build, x, None, batch_size=6, replicas=3)
+    np.testing.assert_allclose(model.evaluate(x, batch_size=6, verbose=0), reference.evaluate(x, batch_size=6, verbose=0), **TOL)
+    np.testing.assert_allclose(model.predict(x, batch_size=6, verbose=0), reference.predict(x, batch_size=6, verbose=0), **TOL)
+
+
 def test_subclassed_model_with_add_loss_counts_each_term_once():
     # 10 samples with batch 4 on 2 replicas: even shards (2+2, then 1+1), so the data-mean term
     # is exact on every backend (JAX pads uneven shards, and padding rows would enter that mean).
