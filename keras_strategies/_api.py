@@ -9,6 +9,7 @@ from keras_strategies import cluster_resolver
 from keras_strategies.multi_worker import chief_only as _chief_only
 from keras_strategies import devices as _devices
 from keras_strategies import loss_scaling as _loss_scaling
+from keras_strategies import loss_reduction as _loss_reduction
 from keras_strategies import optimizer_hooks as _optimizer_hooks
 from keras_strategies import keras_hooks as _keras_hooks
 from keras_strategies.cross_device_ops import (
@@ -52,6 +53,7 @@ _keras_hooks.install()
 _batch_norm.install()
 _optimizer_hooks.install()
 _loss_scaling.install()
+_loss_reduction.install()
 _chief_only.install()
 
 __all__ = [

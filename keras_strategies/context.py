@@ -149,6 +149,10 @@ class ReplicaContext:
         self._row_mask = row_mask
         self._in_program = in_program
         self._gradient_weight = gradient_weight
+        # Set by Keras' steps on replicas (`loss_reduction.py`): the replica's share of the
+        # global batch, and the row mask when it is handed to the loss as the sample weight.
+        self._loss_share = None
+        self._padding_weight = None
 
     @property
     def strategy(self) -> "Strategy":

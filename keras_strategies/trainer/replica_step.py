@@ -9,9 +9,11 @@ replicas gives exactly the single-device loss of the global batch:
     objective_i = (data_loss_i + add_loss_terms_i) * rows_i / B + weight_regularizers / num_replicas
 
 (`data_loss_i` is the compiled loss of the shard, a mean over its `rows_i`
-rows; padding rows carry sample weight 0; weight regularisers count once in
-total; `add_loss` terms are taken as per-batch means, so constants and means
-are exact, while a term that *sums* over the batch is scaled by the shard's share).
+rows, or whatever each loss's reduction makes exact once weighted, see
+`loss_reduction.py`; padding rows carry sample weight 0, the row mask when
+there are no user weights; weight regularisers count once in total; `add_loss`
+terms are taken as per-batch means, so constants and means are exact, while a
+term that *sums* over the batch is scaled by the shard's share).
 Gradients are summed across replicas, clipped by the optimizer after that sum,
 and applied once: inside the replica program with the backend's all-reduce
 when the strategy uses its default cross-device ops, else on the host with the
@@ -32,7 +34,7 @@ from keras.src import tree
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_strategies import context, keras_state, optimizer_hooks
+from keras_strategies import context, keras_state, loss_reduction, optimizer_hooks
 from keras_strategies.backend import engine
 from keras_strategies.input import worker_sharding
 from keras_strategies.trainer import cross_worker
@@ -43,12 +45,6 @@ from keras_strategies.values import PerReplica
 
 def _is_float(value: Any) -> bool:
     return "float" in str(value.dtype)
-
-
-def _uses_sum_reduction(model: Any) -> bool:
-    """True when every compiled loss sums (rather than averages) over the batch."""
-    flat = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None) or []
-    return {getattr(entry.loss, "reduction", None) for entry in flat} == {"sum"}
 
 
 def as_tensors(structure: Any) -> Any:
@@ -113,8 +109,6 @@ class Shards:
             if self.padded:
                 mask = np.zeros((rows,), "float32")
                 mask[:size] = 1.0
-                if weight is None and with_targets:
-                    weight = mask
             pad = functools.partial(tree.map_structure, lambda leaf: _pad_rows(leaf, rows))
             self.per_replica.append((pad(x), pad(y), pad(weight), mask))
 
@@ -196,6 +190,7 @@ class ReplicaStep:
     def _replica_train(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
         with self._enter(replica_id, mask):
             x, y, sample_weight = as_tensors((x, y, sample_weight))
+            sample_weight = loss_reduction.enter_replica_loss(weights[0], as_tensors(mask), sample_weight)
             grad_fn = engine.gradients.value_and_grad(functools.partial(self._objective, training=True))
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, weights)
             if self.reduce_in_program:
@@ -206,6 +201,7 @@ class ReplicaStep:
     def _replica_test(self, replica_id, trainable, non_trainable, metrics, x, y, sample_weight, mask, weights):
         with self._enter(replica_id, mask):
             x, y, sample_weight = as_tensors((x, y, sample_weight))
+            sample_weight = loss_reduction.enter_replica_loss(weights[0], as_tensors(mask), sample_weight)
             _, aux = self._objective(trainable, non_trainable, metrics, x, y, sample_weight, weights, training=False)
             if self.reduce_in_program:
                 aux = (self._local_sum(aux[0]),) + tuple(aux[1:])
@@ -232,10 +228,11 @@ class ReplicaStep:
         return float(ops.convert_to_numpy(optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32"))))
 
     def _weights(self, shards: Shards, loss_scale: float) -> list:
-        sum_reduction = _uses_sum_reduction(self.model)
+        """Per replica: its share of the batch (0 without real rows, so that `add_loss` terms of a
+        padding row count nowhere), the share of the weight regularisers, the loss scale."""
         return [
-            np.array([1.0 if sum_reduction else rows / shards.batch, 1.0 / self.strategy.num_replicas_in_sync, loss_scale], "float32")
-            for rows in shards.rows
+            np.array([rows / shards.batch if size else 0.0, 1.0 / self.strategy.num_replicas_in_sync, loss_scale], "float32")
+            for rows, size in zip(shards.rows, shards.sizes)
         ]
 
     def _reduce(self, reduce_op: ReduceOp, per_replica: list) -> list:

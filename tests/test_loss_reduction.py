@@ -1,0 +1,126 @@
+"""Every Keras loss reduction, and losses of any shape, train like one device on uneven shards.
+
+23 samples in global batches of 11 on 3 replicas: shards of 4, 4 and 3 rows (JAX pads
+the last to 4) and a last batch of one row (two replicas run a padding row).
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from trainer.test_loops import assert_same_fit
+
+N, BATCH, REPLICAS = 23, 11, 3
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "steps": rng.normal(size=(N, 6, 2)).astype("float32"),
+        "step_targets": rng.normal(size=(N, 6, 1)).astype("float32"),
+        "step_classes": rng.integers(0, 3, size=(N, 6)),
+        "images": rng.normal(size=(N, 4, 4, 1)).astype("float32"),
+        "masks": (rng.uniform(size=(N, 4, 4, 1)) > 0.5).astype("float32"),
+        "x": rng.normal(size=(N, 4)).astype("float32"),
+        "y": rng.normal(size=(N, 1)).astype("float32"),
+        "weights": rng.uniform(0.2, 2.0, size=(N,)).astype("float32"),
+    }
+
+
+def _sequence_model(units, loss):
+    def build():
+        model = keras.Sequential([keras.Input((6, 2)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(units)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return model
+    return build
+
+
+def _pixel_model(loss):
+    def build():
+        model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(1, 3, padding="same", activation="sigmoid")])
+        model.compile(optimizer=keras.optimizers.SGD(0.2), loss=loss)
+        return model
+    return build
+
+
+def _elementwise_squares(y_true, y_pred):
+    return ops.square(y_true - y_pred)  # not reduced over the last axis: (rows, 6, 1)
+
+
+def _dice(y_true, y_pred):  # one value per row
+    overlap = ops.sum(y_true * y_pred, axis=(1, 2, 3))
+    return 1 - 2 * overlap / (ops.sum(y_true, axis=(1, 2, 3)) + ops.sum(y_pred, axis=(1, 2, 3)) + 1)
+
+
+CASES = {
+    "per-timestep mse": (_sequence_model(1, "mse"), "steps", "step_targets"),
+    "per-timestep sparse crossentropy": (
+        _sequence_model(3, keras.losses.SparseCategoricalCrossentropy(from_logits=True)), "steps", "step_classes"),
+    "unreduced custom loss": (_sequence_model(1, _elementwise_squares), "steps", "step_targets"),
+    # 4x4 pixels on shards of 4 rows: a (rows,) weight would broadcast along the wrong axis.
+    "per-pixel crossentropy": (_pixel_model("binary_crossentropy"), "images", "masks"),
+    "per-row dice": (_pixel_model(_dice), "images", "masks"),
+    "mean_with_sample_weight, no weights": (
+        _pixel_model(keras.losses.BinaryCrossentropy(reduction="mean_with_sample_weight")), "images", "masks"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_losses_of_any_shape_leave_padding_rows_out(case):
+    build, x, y = CASES[case]
+    data = _data()
+    assert_same_fit(build, data[x], data[y], batch_size=BATCH, replicas=REPLICAS)
+
+
+class MeanPenalty(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(0.3 * ops.mean(ops.square(inputs)))
+        return inputs
+
+
+def _summed_loss_with_penalty():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), MeanPenalty(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.MeanSquaredError(reduction="sum"))
+    return model
+
+
+def _two_reductions():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(5, activation="relu")(inputs)
+    model = keras.Model(inputs, {"r": keras.layers.Dense(1, name="r")(hidden),
+                                 "c": keras.layers.Dense(1, activation="sigmoid", name="c")(hidden)})
+    model.compile(optimizer=keras.optimizers.SGD(0.02),
+                  loss={"r": keras.losses.MeanSquaredError(reduction="sum"),
+                        "c": keras.losses.BinaryCrossentropy(reduction="mean_with_sample_weight")})
+    return model
+
+
+def _mean_loss_with_penalty():
+    model = _summed_loss_with_penalty()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("build", [_summed_loss_with_penalty, _mean_loss_with_penalty], ids=["sum", "mean"])
+def test_a_data_dependent_add_loss_term_counts_once_also_beside_replicas_without_rows(build):
+    # 25 rows in batches of 12: shards of 4 rows, then one row on the first replica only. The
+    # others run a padding row, whose `add_loss` term must not count (nor, on JAX, could a
+    # padding row of a shard with real rows be told apart from them: see the README).
+    data = _data(1)
+    x, y = np.concatenate([data["x"], data["x"][:2]]), np.concatenate([data["y"], data["y"][:2]])
+    assert_same_fit(build, x, y, batch_size=12, replicas=REPLICAS)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["no weights", "sample weights"])
+def test_each_output_keeps_its_own_reduction(weighted):
+    # "sum" adds the replicas' sums; "mean_with_sample_weight" divides by the global weight total.
+    # Two full batches of 11 (shards of 4, 4, 3): on a partial batch Keras' TensorFlow trainer
+    # logs per-output losses differently (README, limits).
+    data = {key: value[:22] for key, value in _data(2).items()}
+    targets = {"r": data["y"], "c": (data["y"] > 0).astype("float32")}
+    kwargs = {"sample_weight": data["weights"]} if weighted else {}
+    model, reference = assert_same_fit(_two_reductions, data["x"], targets, batch_size=BATCH, replicas=REPLICAS, **kwargs)
+    np.testing.assert_allclose(
+        model.evaluate(data["x"], targets, batch_size=BATCH, verbose=0, **kwargs),
+        reference.evaluate(data["x"], targets, batch_size=BATCH, verbose=0, **kwargs), rtol=1e-5, atol=1e-5)
