@@ -368,10 +368,11 @@ class ReplicaStep:
             cross_worker.check_fingerprints(ops.convert_to_numpy(result["check"][0]), mine, self.num_workers, exact)
         on_host = lambda value: engine.devices.copy_to(ops.convert_to_tensor(value), host)  # noqa: E731
         y_pred = tree.pack_sequence_as(buffers, [on_host(p) for p in result["predictions"]])
+        # Paired by `flatten` order: Keras' torch `map_structure` visits dicts in insertion order,
+        # its `flatten` sorts their keys.
         summed_targets = iter(result["targets"])
-        shards.y, shards.sample_weight = tree.map_structure(
-            lambda leaf: None if leaf is None else ops.convert_to_numpy(next(summed_targets)), targets
-        )
+        flat_targets = [None if leaf is None else ops.convert_to_numpy(next(summed_targets)) for leaf in tree.flatten(targets)]
+        shards.y, shards.sample_weight = tree.pack_sequence_as(targets, flat_targets)
 
         def finish() -> None:
             if non_trainable is not None:

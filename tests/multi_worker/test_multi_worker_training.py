@@ -17,8 +17,8 @@ from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
-    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, data, guide_loop, keras_run,
-    single_process_statistics,
+    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data, guide_loop,
+    keras_run, single_process_statistics, two_output_run,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -43,7 +43,7 @@ def run(request, tmp_path_factory):
 def test_every_worker_holds_identical_weights(run):
     _, _, (first, second) = run
     for key in ("fit_weights", "loop_weights", "bn_loop_weights", "unsync_loop_weights", "shuffled_weights",
-                "own_weights", "bn_weights"):
+                "own_weights", "bn_weights", "outputs_weights"):
         for a, b in zip(_weights(first, key), _weights(second, key)):
             np.testing.assert_array_equal(a, b)
 
@@ -62,6 +62,19 @@ def test_fit_evaluate_predict_equal_a_single_process_run(run, name, build):
         for key in ("loss", "mae", "evaluate", "predict"):
             np.testing.assert_allclose(worker[f"{name}_{key}"], expected[key], err_msg=key, **TOL)
         for got, weights in zip(_weights(worker, f"{name}_weights"), expected["weights"]):
+            np.testing.assert_allclose(got, weights, **TOL)
+
+
+@pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only
+def test_dict_targets_and_per_loss_reductions_equal_a_single_process_run(run):
+    out, _, results = run
+    model = build_two_output_model()
+    model.set_weights(_load(out / "outputs_initial.npz"))
+    expected = two_output_run(model, *data())
+    for worker in results:
+        for key in ("loss", "c_loss", "r_loss", "c_accuracy", "evaluate"):
+            np.testing.assert_allclose(worker[f"outputs_{key}"], expected[key], err_msg=key, **TOL)
+        for got, weights in zip(_weights(worker, "outputs_weights"), expected["weights"]):
             np.testing.assert_allclose(got, weights, **TOL)
 
 

@@ -91,6 +91,35 @@ def keras_run(model, x, y):
     }
 
 
+def build_two_output_model():
+    """Dict outputs, each loss with its own reduction: the torch tree orders dicts two ways."""
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+    model = keras.Model(inputs, {"r": keras.layers.Dense(1, name="r")(hidden),
+                                 "c": keras.layers.Dense(1, activation="sigmoid", name="c")(hidden)})
+    model.compile(optimizer=keras.optimizers.SGD(0.01), metrics={"c": ["accuracy"]},
+                  loss={"r": keras.losses.MeanSquaredError(reduction="sum"),
+                        "c": keras.losses.BinaryCrossentropy(reduction="mean_with_sample_weight")})
+    return model
+
+
+def two_output_run(model, x, y):
+    """`fit` and `evaluate` with dict targets (`c` must stay in [0, 1]) and sample weights.
+
+    45 rows in full batches of 15, split unevenly (8 + 7, or 4 + 4 + 4 + 3): on a partial
+    batch Keras' TensorFlow trainer logs per-output losses differently (README, limits).
+    """
+    x, y = x[:45], y[:45]
+    targets = {"r": y, "c": (y > 0).astype("float32")}
+    weights = np.random.default_rng(3).uniform(0.2, 2.0, size=(len(x),)).astype("float32")
+    history = model.fit(x, targets, sample_weight=weights, batch_size=15, epochs=2, shuffle=False, verbose=0)
+    return {
+        **{key: history.history[key] for key in ("loss", "c_loss", "r_loss", "c_accuracy")},
+        "weights": model.get_weights(),
+        "evaluate": model.evaluate(x, targets, sample_weight=weights, batch_size=15, verbose=0),
+    }
+
+
 def global_batch_sizes(n=N, batch=GLOBAL_BATCH):
     return [batch] * (n // batch) + ([n % batch] if n % batch else [])
 

@@ -20,8 +20,8 @@ from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, data, global_batch_sizes, guide_loop,
-    keras_run,
+    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data,
+    global_batch_sizes, guide_loop, keras_run, two_output_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -32,13 +32,13 @@ results = {"num_replicas": strategy.num_replicas_in_sync}
 
 
 
-def run_keras(name, build):
-    """Builds a model in scope (the chief saves its initial weights) and runs `keras_run` on it."""
+def run_keras(name, build, run=keras_run):
+    """Builds a model in scope (the chief saves its initial weights) and runs `run` on it."""
     with strategy.scope():
         model = build()
     if strategy.extended.should_checkpoint:
         np.savez(os.path.join(out, f"{name}_initial.npz"), *model.get_weights())
-    for key, value in keras_run(model, x, y).items():
+    for key, value in run(model, x, y).items():
         results[f"{name}_{key}"] = value
     return model
 
@@ -92,6 +92,11 @@ run_keras("own", build_own_steps_model)
 
 # Synchronized BatchNormalization: statistics of the global batch, across workers.
 run_keras("bn", build_sync_bn_model)
+
+# Dict outputs and targets, sample weights, and a "sum" and a "mean_with_sample_weight" loss
+# (on 2 x 1 devices only: the same code path, at a quarter of the JAX compile time of both).
+if strategy.num_replicas_in_sync == 2:
+    run_keras("outputs", build_two_output_model, two_output_run)
 
 # Collectives from strategy.run: all_reduce and gather over every replica of every worker.
 def replica_fn():
