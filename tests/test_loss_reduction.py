@@ -85,10 +85,10 @@ def _summed_loss_with_penalty():
     return model
 
 
-def _two_reductions():
+def _two_reductions(model_class=keras.Model):
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(5, activation="relu")(inputs)
-    model = keras.Model(inputs, {"r": keras.layers.Dense(1, name="r")(hidden),
+    model = model_class(inputs, {"r": keras.layers.Dense(1, name="r")(hidden),
                                  "c": keras.layers.Dense(1, activation="sigmoid", name="c")(hidden)})
     model.compile(optimizer=keras.optimizers.SGD(0.02),
                   loss={"r": keras.losses.MeanSquaredError(reduction="sum"),
@@ -124,3 +124,30 @@ def test_each_output_keeps_its_own_reduction(weighted):
     np.testing.assert_allclose(
         model.evaluate(data["x"], targets, batch_size=BATCH, verbose=0, **kwargs),
         reference.evaluate(data["x"], targets, batch_size=BATCH, verbose=0, **kwargs), rtol=1e-5, atol=1e-5)
+
+
+class OwnSteps(keras.Model):
+    """A functional model with its own `train_step` / `test_step`, run per replica (deferring to Keras')."""
+
+    def train_step(self, *args):
+        return super().train_step(*args)
+
+    def test_step(self, *args):
+        return super().test_step(*args)
+
+
+def _two_reductions_own_steps():
+    return _two_reductions(OwnSteps)
+
+
+def test_a_models_own_steps_get_the_same_exact_reductions():
+    # The optimizer weighs each replica's gradients by its share; a "sum" loss divided by that
+    # share first adds up to the global sum (and so does the logged loss).
+    data = {key: value[:22] for key, value in _data(2).items()}
+    targets = {"r": data["y"], "c": (data["y"] > 0).astype("float32")}
+    model, reference = assert_same_fit(_two_reductions_own_steps, data["x"], targets, batch_size=BATCH,
+                                       replicas=REPLICAS, sample_weight=data["weights"])
+    np.testing.assert_allclose(
+        model.evaluate(data["x"], targets, batch_size=BATCH, verbose=0, sample_weight=data["weights"]),
+        reference.evaluate(data["x"], targets, batch_size=BATCH, verbose=0, sample_weight=data["weights"]),
+        rtol=1e-5, atol=1e-5)

@@ -30,7 +30,7 @@ from keras import ops
 from keras.src import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_strategies import context, keras_state
+from keras_strategies import context, keras_state, loss_reduction
 from keras_strategies.backend import engine
 from keras_strategies.input.splitting import split_batch
 from keras_strategies.trainer import cross_worker, worker_states
@@ -73,6 +73,9 @@ class CustomStep:
             )
             with keras_state.installed(snapshot), context.enter_frame(self.strategy, replica_context), \
                     writes.scope(k):
+                # Keras losses computed in the step reduce to the replica's share (`loss_reduction.py`);
+                # the optimizer weighs its gradients by the same share.
+                loss_reduction.enter_replica_loss(replica_context._gradient_weight, None, None)
                 piece = as_tensors(pieces[i])
                 shard = data_adapter_utils.pack_x_y_sample_weight(*piece) if kind != "predict" else (piece[0],)
                 return engine.trainer.call_step(self.model, kind, shard, self.devices[i])
