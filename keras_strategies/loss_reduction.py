@@ -53,22 +53,56 @@ def _replica_context() -> Optional[Any]:
     return replica_context
 
 
-def _spread(mask: Any, values: Any) -> Any:
-    mask = ops.cast(mask, values.dtype)
-    return ops.broadcast_to(ops.reshape(mask, (-1,) + (1,) * (len(values.shape) - 1)), ops.shape(values))
+def _spread(mask: Any, like: Any) -> Any:
+    """A `(rows,)` mask over `like`'s full shape, as a new tensor (Keras multiplies weights in place)."""
+    mask = ops.cast(mask, like.dtype)
+    return ops.reshape(mask, (-1,) + (1,) * (len(like.shape) - 1)) * ops.ones_like(like)
+
+
+def _element_count(tensor: Any) -> Any:
+    return ops.prod(ops.convert_to_tensor(ops.shape(tensor), "int32"))
+
+
+def _masked_mean(original: Callable, replica_context: Any, values: Any, sample_weight: Any, mask: Any,
+                 padding: bool, dtype: Any) -> Any:
+    """Keras' mean of masked values (`apply_mask`), divided by the valid entries of the global batch.
+
+    Keras scales the mask by `entries / valid` of the batch it sees; per replica
+    that would be the replica's own valid count. Here the replica's masked sum
+    (its share handled by `reduce_values`) is divided by the valid entries of
+    every replica (and worker), times Keras' `mask entries / value entries`.
+    """
+    valid_mask = ops.cast(mask, values.dtype)
+    if padding:  # padding rows are no valid entries; the mask then carries the row weights
+        valid_mask = valid_mask * _spread(replica_context._padding_weight, valid_mask)
+        weights = valid_mask
+    elif sample_weight is not None:
+        valid_mask_like, weights = keras_loss.squeeze_or_expand_to_same_rank(valid_mask, ops.cast(sample_weight, values.dtype))
+        weights = weights * valid_mask_like
+    else:
+        weights = valid_mask
+    valid = ops.stop_gradient(ops.sum(valid_mask))
+    total_valid = replica_context.strategy.extended._synchronized_sum(replica_context, valid)
+    ratio = ops.cast(_element_count(valid_mask), values.dtype) / ops.cast(_element_count(values), values.dtype)
+    summed = original(values, sample_weight=weights, mask=None, reduction="sum", dtype=dtype)
+    return ops.divide_no_nan(summed * ratio, total_valid)
 
 
 def _wrap_weighted(original: Callable) -> Callable:
     @functools.wraps(original)
     def reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
         replica_context = _replica_context()
-        if replica_context is not None and sample_weight is not None and sample_weight is replica_context._padding_weight:
-            values = ops.convert_to_tensor(values, dtype=dtype)
-            if len(values.shape) > 1:
-                sample_weight = _spread(sample_weight, values)
+        if replica_context is None:
+            return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+        values = ops.convert_to_tensor(values, dtype=dtype)
+        padding = sample_weight is not None and sample_weight is replica_context._padding_weight
+        if padding:
+            sample_weight = _spread(sample_weight, values)
             if reduction == "mean_with_sample_weight" and mask is None:
                 # Keras divides by the element count when there are no sample weights.
                 reduction = "sum_over_batch_size"
+        if mask is not None and reduction in ("mean", "sum_over_batch_size"):
+            return _masked_mean(original, replica_context, values, sample_weight, mask, padding, dtype)
         return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
 
     reduce_weighted_values._ks_original = original

@@ -73,6 +73,31 @@ def test_losses_of_any_shape_leave_padding_rows_out(case):
     assert_same_fit(build, data[x], data[y], batch_size=BATCH, replicas=REPLICAS)
 
 
+def _tagger(reduction):
+    """Per-token tags of zero-padded sequences: the outputs carry Keras' mask into the loss."""
+    def build():
+        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4, mask_zero=True),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction))
+        return model
+    return build
+
+
+@pytest.mark.parametrize("reduction, weighted", [("sum_over_batch_size", False), ("sum_over_batch_size", True),
+                                                 ("mean_with_sample_weight", True)])
+def test_a_masked_loss_divides_by_the_valid_entries_of_the_global_batch(reduction, weighted):
+    # Keras divides a masked mean by the batch's unmasked entries; each replica's own count
+    # would weigh its shard wrongly.
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(1, 20, size=(N, 6))
+    for row, length in enumerate(rng.integers(1, 7, size=N)):
+        tokens[row, length:] = 0
+    tags = rng.integers(0, 3, size=(N, 6))
+    kwargs = {"sample_weight": rng.uniform(0.2, 2.0, size=(N, 6)).astype("float32")} if weighted else {}
+    assert_same_fit(_tagger(reduction), tokens, tags, batch_size=BATCH, replicas=REPLICAS, **kwargs)
+
+
 class MeanPenalty(keras.layers.Layer):
     def call(self, inputs):
         self.add_loss(0.3 * ops.mean(ops.square(inputs)))
