@@ -16,7 +16,9 @@ exact, per loss, also in models mixing reductions:
   broadcasts along the wrong axis when a dimension equals the row count. The
   mask is spread over the values' full shape first, and a
   `"mean_with_sample_weight"` loss divides by the element count as Keras does
-  without sample weights.
+  without sample weights. A loss of outputs carrying a Keras mask, which Keras
+  divides by the batch's unmasked entries, is divided by those of the global
+  batch (summed over replicas and workers), padding rows excluded.
 
 Outside our replica programs (no `_loss_share` on the replica context) Keras'
 functions run unchanged.
@@ -73,14 +75,13 @@ def _masked_mean(original: Callable, replica_context: Any, values: Any, sample_w
     every replica (and worker), times Keras' `mask entries / value entries`.
     """
     valid_mask = ops.cast(mask, values.dtype)
-    if padding:  # padding rows are no valid entries; the mask then carries the row weights
-        valid_mask = valid_mask * _spread(replica_context._padding_weight, valid_mask)
+    if replica_context._row_mask is not None:  # padding rows hold no valid entries, masked or not
+        valid_mask = valid_mask * _spread(replica_context._row_mask, valid_mask)
+    if padding or sample_weight is None:  # the row weights are in the mask now
         weights = valid_mask
-    elif sample_weight is not None:
+    else:
         valid_mask_like, weights = keras_loss.squeeze_or_expand_to_same_rank(valid_mask, ops.cast(sample_weight, values.dtype))
         weights = weights * valid_mask_like
-    else:
-        weights = valid_mask
     valid = ops.stop_gradient(ops.sum(valid_mask))
     total_valid = replica_context.strategy.extended._synchronized_sum(replica_context, valid)
     ratio = ops.cast(_element_count(valid_mask), values.dtype) / ops.cast(_element_count(values), values.dtype)

@@ -84,6 +84,23 @@ def _tagger(reduction):
     return build
 
 
+def _masking_tagger():
+    """Masked where features are -1: JAX's zero padding rows are not masked, yet not valid either."""
+    model = keras.Sequential([keras.Input((6, 2)), keras.layers.Masking(mask_value=-1.0), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_padding_rows_are_no_valid_entries_of_a_masked_loss():
+    rng = np.random.default_rng(5)
+    features = rng.normal(size=(N, 6, 2)).astype("float32")
+    for row, length in enumerate(rng.integers(1, 7, size=N)):
+        features[row, length:] = -1.0
+    tags = rng.integers(0, 3, size=(N, 6))
+    weights = rng.uniform(0.2, 2.0, size=(N, 6)).astype("float32")
+    assert_same_fit(_masking_tagger, features, tags, batch_size=BATCH, replicas=REPLICAS, sample_weight=weights)
+
+
 @pytest.mark.parametrize("reduction, weighted", [("sum_over_batch_size", False), ("sum_over_batch_size", True),
                                                  ("mean_with_sample_weight", True)])
 def test_a_masked_loss_divides_by_the_valid_entries_of_the_global_batch(reduction, weighted):
