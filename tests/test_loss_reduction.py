@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+import keras_strategies as ks
 from trainer.test_loops import assert_same_fit
 
 N, BATCH, REPLICAS = 23, 11, 3
@@ -113,6 +114,37 @@ def test_a_masked_loss_divides_by_the_valid_entries_of_the_global_batch(reductio
     tags = rng.integers(0, 3, size=(N, 6))
     kwargs = {"sample_weight": rng.uniform(0.2, 2.0, size=(N, 6)).astype("float32")} if weighted else {}
     assert_same_fit(_tagger(reduction), tokens, tags, batch_size=BATCH, replicas=REPLICAS, **kwargs)
+
+
+def test_metrics_of_masked_outputs_leave_the_masked_entries_out():
+    # The mask travels with the replicas' predictions to the metrics (by hand: accuracy over the
+    # unmasked tokens), in `fit` logs (learning rate 0: the weights stay) and in `evaluate`.
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(1, 20, size=(N, 6))
+    for row, length in enumerate(rng.integers(1, 7, size=N)):
+        tokens[row, length:] = 0
+    tags = rng.integers(0, 3, size=(N, 6))
+
+    def build():
+        model = _tagger("sum_over_batch_size")()
+        model.compile(optimizer=keras.optimizers.SGD(0.0), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference = build()
+    with ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(REPLICAS)]).scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    predicted = np.argmax(reference.predict(tokens, verbose=0), axis=-1)
+    expected = float(np.mean((predicted == tags)[tokens != 0]))
+    assert expected != pytest.approx(float(np.mean(predicted == tags)), abs=1e-3)
+    history = model.fit(tokens, tags, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    assert history["accuracy"][0] == pytest.approx(expected, abs=1e-6)
+    got = model.evaluate(tokens, tags, batch_size=BATCH, verbose=0, return_dict=True)
+    want = reference.evaluate(tokens, tags, batch_size=BATCH, verbose=0, return_dict=True)
+    assert got["accuracy"] == pytest.approx(expected, abs=1e-6)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
 
 
 class MeanPenalty(keras.layers.Layer):

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
+from keras.src.backend.common import masking as keras_masking
 from keras.src import tree
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -55,6 +56,23 @@ def as_tensors(structure: Any) -> Any:
     with a NumPy `x`. Inside a compiled replica program they already are tensors.
     """
     return tree.map_structure(lambda leaf: None if leaf is None else ops.convert_to_tensor(leaf), structure)
+
+
+def _output_masks(y_pred: Any) -> dict:
+    """The Keras masks of the outputs, by flat index: they leave the replica program beside the
+    predictions (a tensor's mask attribute does not) and are set again for the metrics."""
+    leaves = tree.flatten(y_pred)
+    masks = {str(i): keras_masking.get_keras_mask(leaf) for i, leaf in enumerate(leaves)}
+    return {key: mask for key, mask in masks.items() if mask is not None}
+
+
+def _with_masks(predictions: Any) -> Any:
+    """`(y_pred, masks)` from a replica step: `y_pred` with its Keras masks set."""
+    y_pred, masks = predictions
+    leaves = tree.flatten(y_pred)
+    for key, mask in masks.items():
+        keras_masking.set_keras_mask(leaves[int(key)], mask)
+    return y_pred
 
 
 def _pad_rows(leaf: Any, rows: int) -> Any:
@@ -181,7 +199,7 @@ class ReplicaStep:
         regularization = losses[len(losses) - count:] if count else []
         penalty = functools.reduce(ops.add, [model._aggregate_additional_loss(l) for l in regularization]) if regularization else 0.0
         objective = (total - penalty) * weights[0] + penalty * weights[1]
-        return objective * weights[2], (objective, y_pred, new_non_trainable)
+        return objective * weights[2], (objective, (y_pred, _output_masks(y_pred)), new_non_trainable)
 
     def _local_sum(self, value: Any) -> Any:
         """Sum over this worker's replicas, inside the replica program."""
@@ -264,8 +282,9 @@ class ReplicaStep:
             return parts[0]
         return tree.map_structure(lambda *leaves: ops.concatenate(leaves, axis=0), *parts)
 
-    def _metrics_update(self, loss, batch, x, y, y_pred, sample_weight):
+    def _metrics_update(self, loss, batch, x, y, predictions, sample_weight):
         model = self.model
+        y_pred = _with_masks(predictions)  # masked outputs count as in Keras' own step
         model._loss_tracker.update_state(loss, sample_weight=batch)
         compile_loss = getattr(model, "_compile_loss", None)
         if compile_loss is not None and compile_loss.metrics:
@@ -275,15 +294,16 @@ class ReplicaStep:
             compile_loss(y, y_pred, sample_weight)
         return model.compute_metrics(x, y, y_pred, sample_weight)
 
-    def _update_metrics(self, shards: Shards, loss: Any, y_pred: Any) -> dict:
-        """Updates the metrics once on the global batch (compiled, as Keras' own steps)."""
+    def _update_metrics(self, shards: Shards, loss: Any, predictions: Any) -> dict:
+        """Updates the metrics once on the global batch (compiled, as Keras' own steps);
+        `predictions` is `(y_pred, output masks)`."""
         model = self.model
         if self._compiled_metrics is None:
             compile_fn = (lambda fn, _: fn) if model.run_eagerly else engine.compiler.compile_stateful
             self._compiled_metrics = compile_fn(self._metrics_update, model.metrics_variables)
         with engine.devices.device_scope(self.devices[0]):
             batch = ops.convert_to_tensor(float(shards.batch), "float32")
-            return self._compiled_metrics(loss, batch, shards.x, shards.y, y_pred, shards.sample_weight)
+            return self._compiled_metrics(loss, batch, shards.x, shards.y, predictions, shards.sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
     def _shards(self, data: Any, with_targets: bool) -> Shards:
@@ -305,15 +325,15 @@ class ReplicaStep:
         non_trainable = [outputs[i][1][2] for i in shards.active]
         predictions = [aux[1] for _, aux in outputs]
         if self.num_workers > 1:
-            grads, loss, y_pred, finish = self._exchange(shards, grads, loss, predictions, non_trainable)
+            grads, loss, global_predictions, finish = self._exchange(shards, grads, loss, predictions, non_trainable)
         with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
             engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
         if self.num_workers > 1:
             finish()
         else:
             self._assign_non_trainable(non_trainable)
-            y_pred = self._global_predictions(shards, predictions)
-        return self._update_metrics(shards, loss, y_pred)
+            global_predictions = self._global_predictions(shards, predictions)
+        return self._update_metrics(shards, loss, global_predictions)
 
     def test_step(self, data: Any) -> dict:
         shards = self._shards(data, with_targets=True)
@@ -325,10 +345,10 @@ class ReplicaStep:
             (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for aux in outputs])
         predictions = [aux[1] for aux in outputs]
         if self.num_workers > 1:
-            _, loss, y_pred, _ = self._exchange(shards, [], loss, predictions)
+            _, loss, global_predictions, _ = self._exchange(shards, [], loss, predictions)
         else:
-            y_pred = self._global_predictions(shards, predictions)
-        return self._update_metrics(shards, loss, y_pred)
+            global_predictions = self._global_predictions(shards, predictions)
+        return self._update_metrics(shards, loss, global_predictions)
 
     def predict_step(self, data: Any) -> Any:
         shards = self._shards(data, with_targets=False)
