@@ -74,12 +74,12 @@ def test_losses_of_any_shape_leave_padding_rows_out(case):
     assert_same_fit(build, data[x], data[y], batch_size=BATCH, replicas=REPLICAS)
 
 
-def _tagger(reduction):
+def _tagger(reduction, run_eagerly=False):
     """Per-token tags of zero-padded sequences: the outputs carry Keras' mask into the loss."""
     def build():
         model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4, mask_zero=True),
                                   keras.layers.Dense(3)])
-        model.compile(optimizer=keras.optimizers.SGD(0.2),
+        model.compile(optimizer=keras.optimizers.SGD(0.2), run_eagerly=run_eagerly,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction))
         return model
     return build
@@ -102,9 +102,12 @@ def test_padding_rows_are_no_valid_entries_of_a_masked_loss():
     assert_same_fit(_masking_tagger, features, tags, batch_size=BATCH, replicas=REPLICAS, sample_weight=weights)
 
 
-@pytest.mark.parametrize("reduction, weighted", [("sum_over_batch_size", False), ("sum_over_batch_size", True),
-                                                 ("mean_with_sample_weight", True)])
-def test_a_masked_loss_divides_by_the_valid_entries_of_the_global_batch(reduction, weighted):
+@pytest.mark.parametrize("reduction, weighted, run_eagerly", [
+    ("sum_over_batch_size", False, False), ("sum_over_batch_size", True, False), ("mean_with_sample_weight", True, False),
+    # Eager replicas (JAX: threads, whose in-step sums must live on each replica's device).
+    ("sum_over_batch_size", True, True),
+])
+def test_a_masked_loss_divides_by_the_valid_entries_of_the_global_batch(reduction, weighted, run_eagerly):
     # Keras divides a masked mean by the batch's unmasked entries; each replica's own count
     # would weigh its shard wrongly.
     rng = np.random.default_rng(4)
@@ -113,7 +116,10 @@ def test_a_masked_loss_divides_by_the_valid_entries_of_the_global_batch(reductio
         tokens[row, length:] = 0
     tags = rng.integers(0, 3, size=(N, 6))
     kwargs = {"sample_weight": rng.uniform(0.2, 2.0, size=(N, 6)).astype("float32")} if weighted else {}
-    assert_same_fit(_tagger(reduction), tokens, tags, batch_size=BATCH, replicas=REPLICAS, **kwargs)
+    # Eagerly, JAX compiles every operation per shard shape: 2 replicas (shards of 6 and 5), 1 epoch.
+    replicas, epochs = (2, 1) if run_eagerly else (REPLICAS, 2)
+    assert_same_fit(_tagger(reduction, run_eagerly), tokens, tags, batch_size=BATCH, replicas=replicas, epochs=epochs,
+                    **kwargs)
 
 
 def test_metrics_of_masked_outputs_leave_the_masked_entries_out():

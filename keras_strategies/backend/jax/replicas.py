@@ -198,8 +198,11 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
             if len(devices) == 1:
                 with device_scope(devices[0]):
                     return [fn(0, *shared, *per_replica[0])]
+            # Each replica reads the shared state on its own device, as in a compiled program:
+            # computations follow committed inputs, and the replica's sums live on its device.
             return replica_threads.run(
-                lambda i: fn(i, *shared, *per_replica[i]), len(devices), lambda i: device_scope(devices[i])
+                lambda i: fn(i, *jax.device_put(tuple(shared), jax_device(devices[i])), *per_replica[i]),
+                len(devices), lambda i: device_scope(devices[i]),
             )
 
         return run_eagerly
