@@ -20,11 +20,7 @@ from keras.src.layers.normalization import batch_normalization as keras_bn
 from keras_strategies import context
 from keras_strategies.backend import engine
 from keras_strategies.replica_variables import weigh_writes
-
-
-def _broadcast_rows(row_mask: Any, inputs: Any, dtype: str) -> Any:
-    shape = (-1,) + (1,) * (len(inputs.shape) - 1)
-    return ops.broadcast_to(ops.reshape(ops.cast(row_mask, dtype), shape), ops.shape(inputs))
+from keras_strategies.row_mask import spread_rows
 
 
 def _global_sum(replica_context: Any, values: list) -> list:
@@ -36,7 +32,7 @@ def _global_sum(replica_context: Any, values: list) -> list:
 def _replica_moments(layer: Any, inputs: Any, mask: Any, replica_context: Any, synchronized: bool):
     dtype = "float32" if str(inputs.dtype) in ("float16", "bfloat16") else inputs.dtype
     values = ops.cast(inputs, dtype)
-    weights = _broadcast_rows(replica_context._row_mask, values, dtype) if replica_context._row_mask is not None else ops.ones_like(values)
+    weights = spread_rows(replica_context._row_mask, values, dtype) if replica_context._row_mask is not None else ops.ones_like(values)
     if mask is not None:
         weights = weights * ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(values)), dtype)
     axes = layer._reduction_axes

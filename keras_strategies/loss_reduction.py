@@ -33,6 +33,7 @@ from keras import ops
 from keras.src.losses import loss as keras_loss
 
 from keras_strategies import context
+from keras_strategies.row_mask import spread_rows
 
 
 def enter_replica_loss(share: Any, row_mask: Any, sample_weight: Any) -> Any:
@@ -55,12 +56,6 @@ def _replica_context() -> Optional[Any]:
     return replica_context
 
 
-def _spread(mask: Any, like: Any) -> Any:
-    """A `(rows,)` mask over `like`'s full shape, as a new tensor (Keras multiplies weights in place)."""
-    mask = ops.cast(mask, like.dtype)
-    return ops.reshape(mask, (-1,) + (1,) * (len(like.shape) - 1)) * ops.ones_like(like)
-
-
 def _element_count(tensor: Any) -> Any:
     return ops.prod(ops.convert_to_tensor(ops.shape(tensor), "int32"))
 
@@ -76,7 +71,7 @@ def _masked_mean(original: Callable, replica_context: Any, values: Any, sample_w
     """
     valid_mask = ops.cast(mask, values.dtype)
     if replica_context._row_mask is not None:  # padding rows hold no valid entries, masked or not
-        valid_mask = valid_mask * _spread(replica_context._row_mask, valid_mask)
+        valid_mask = valid_mask * spread_rows(replica_context._row_mask, valid_mask)
     if padding or sample_weight is None:  # the row weights are in the mask now
         weights = valid_mask
     else:
@@ -98,7 +93,7 @@ def _wrap_weighted(original: Callable) -> Callable:
         values = ops.convert_to_tensor(values, dtype=dtype)
         padding = sample_weight is not None and sample_weight is replica_context._padding_weight
         if padding:
-            sample_weight = _spread(sample_weight, values)
+            sample_weight = spread_rows(sample_weight, values)
             if reduction == "mean_with_sample_weight" and mask is None:
                 # Keras divides by the element count when there are no sample weights.
                 reduction = "sum_over_batch_size"
