@@ -2,42 +2,91 @@
 
 Usage: python scripts/test_all_backends.py [pytest args]. Exits non-zero if
 any backend fails. `KS_TEST_BACKENDS=jax,torch` limits the backends.
+
+Most tests keep one core busy, so the backends run side by side, two at a
+time (`KS_TEST_JOBS`, default: the machine's cores, at most 2): the longest,
+JAX, beside TensorFlow then PyTorch. Tests that start processes (workers,
+the launcher, notebook kernels) take a lock file shared by the runs
+(`KS_TEST_PROCESS_LOCK`, see `tests/conftest.py`), so that two backends never
+run their multi-process tests at once: those have timeouts that must not
+depend on the other run's load. Each output line carries its backend.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 BACKENDS = ("tensorflow", "jax", "torch")
+# Started longest first, so that the runs end close together.
+START_ORDER = ("jax", "tensorflow", "torch")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
+_print_lock = threading.Lock()
 
 
-def run_backend(backend: str, pytest_args: list[str]) -> tuple[int, dict, float]:
-    env = dict(os.environ, KERAS_BACKEND=backend)
+def run_backend(backend: str, pytest_args: list[str], lock_path: str) -> tuple[int, dict, float]:
+    env = dict(os.environ, KERAS_BACKEND=backend, KS_TEST_PROCESS_LOCK=lock_path)
     started = time.monotonic()
-    print(f"\n===== KERAS_BACKEND={backend} =====", flush=True)
+    with _print_lock:
+        print(f"\n===== KERAS_BACKEND={backend} =====", flush=True)
     process = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", *pytest_args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     last = ""
     for line in process.stdout:
-        print(f"[{backend}] {line}", end="", flush=True)
+        with _print_lock:
+            print(f"[{backend}] {line}", end="", flush=True)
         if line.strip():
             last = line
     code = process.wait()
     counts = {kind.rstrip("s"): int(n) for n, kind in _COUNT.findall(last)}
+    with _print_lock:
+        print(f"===== KERAS_BACKEND={backend} done in {time.monotonic() - started:.0f}s =====", flush=True)
     return code, counts, time.monotonic() - started
+
+
+def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
+    """Runs the backends, `jobs` at a time; returns {backend: (exit code, counts, seconds)}."""
+    pending: queue.Queue = queue.Queue()
+    for backend in sorted(backends, key=lambda b: START_ORDER.index(b) if b in START_ORDER else len(START_ORDER)):
+        pending.put(backend)
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="ks-tests-") as directory:
+        lock_path = os.path.join(directory, "processes.lock")
+
+        def worker() -> None:
+            while True:
+                try:
+                    backend = pending.get_nowait()
+                except queue.Empty:
+                    return
+                results[backend] = run_backend(backend, pytest_args, lock_path)
+
+        threads = [threading.Thread(target=worker) for _ in range(max(1, min(jobs, len(backends))))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    return {b: results[b] for b in backends}
 
 
 def main() -> int:
     wanted = os.environ.get("KS_TEST_BACKENDS")
-    backends = wanted.split(",") if wanted else BACKENDS
-    results = {b: run_backend(b, sys.argv[1:]) for b in backends}
+    backends = wanted.split(",") if wanted else list(BACKENDS)
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        print(f"KS_TEST_BACKENDS names unknown backend(s) {unknown}; choose from {list(BACKENDS)}.")
+        return 2
+    jobs = int(os.environ.get("KS_TEST_JOBS", min(2, os.cpu_count() or 1)))
+    started = time.monotonic()
+    results = run_all(backends, sys.argv[1:], jobs)
     print("\n===== summary =====")
     total_passed = total_failed = 0
     for backend, (code, counts, seconds) in results.items():
@@ -49,7 +98,8 @@ def main() -> int:
         status = "ok" if code == 0 else f"FAILED (exit {code})"
         print(f"{backend:>10}: {counts.get('passed', 0)} passed, {failed} failed, "
               f"{counts.get('skipped', 0)} skipped in {seconds:.0f}s  {status}")
-    print(f"total: {total_passed} passed, {total_failed} failed")
+    print(f"total: {total_passed} passed, {total_failed} failed in {time.monotonic() - started:.0f}s "
+          f"({jobs} backend(s) at a time)")
     return 0 if all(code == 0 for code, _, _ in results.values()) else 1
 
 

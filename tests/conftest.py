@@ -3,10 +3,12 @@
 The backend comes from KERAS_BACKEND (set by `make test`). Every test process
 gets 4 virtual CPU devices before the backend initialises, so tests can use
 1 to 4 replicas through device subsets. On JAX, the run shares a persistent
-compilation cache (below).
+compilation cache (below). `scripts/test_all_backends.py` runs two backends
+at once; their tests that start processes take turns (below).
 """
 
 import atexit
+import fcntl
 import os
 import shutil
 import tempfile
@@ -44,3 +46,28 @@ def _fresh_keras_state():
     keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(1337)
     yield
+
+
+# Tests that start processes (workers, the launcher, notebook kernels) or time a watchdog. When
+# `scripts/test_all_backends.py` runs two backends at once it names a lock file shared by both
+# runs: these tests hold it, so that their timeouts never depend on the other run's processes.
+_PROCESS_TESTS = (
+    "tests/multi_worker/test_multi_worker_",
+    "tests/test_launch.py::",
+    "tests/tutorials/",
+    "tests/test_devices.py::test_environment_variable_and_function_in_a_fresh_process",
+)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    lock_path = os.environ.get("KS_TEST_PROCESS_LOCK")
+    if not lock_path or not item.nodeid.startswith(_PROCESS_TESTS):
+        yield
+        return
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
