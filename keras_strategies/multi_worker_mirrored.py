@@ -23,6 +23,7 @@ from keras.src import tree
 from keras_strategies.backend import engine
 from keras_strategies.cluster_resolver import TFConfigClusterResolver
 from keras_strategies.devices import default_compute_devices
+from keras_strategies.input import worker_sharding
 from keras_strategies.mirrored import MirroredExtended
 from keras_strategies.multi_worker import chief_only
 from keras_strategies.multi_worker.cluster import WorkerCluster, resolve
@@ -220,17 +221,13 @@ class MultiWorkerMirroredExtended(MirroredExtended):
 
     @contextlib.contextmanager
     def _same_shuffle_on_every_worker(self) -> Iterator[None]:
-        """NumPy's global RNG seeded from the chief for the duration (Keras shuffles arrays with it)."""
+        """The RNGs Keras' `fit` shuffles its input with, seeded from the chief for the duration."""
         if self._cluster.num_workers == 1:
             yield
             return
         seed = self._broadcast_from_chief(int(np.random.randint(0, 2**24)))
-        state = np.random.get_state()
-        np.random.seed(seed)
-        try:
+        with worker_sharding.same_input_shuffles(seed):
             yield
-        finally:
-            np.random.set_state(state)
 
     def _sync_variables_from_chief(self, force: bool = False) -> None:
         """Overwrites variables with the chief's values: new ones, or all with `force`."""

@@ -2,8 +2,11 @@
 
 Default (every input type): every worker reads the same input in the same
 order; each global batch is split across all replicas of all workers and each
-worker takes its replicas' consecutive shards. NumPy shuffling in `fit` is
-seeded from the chief so that it agrees; other shuffles need a seed.
+worker takes its replicas' consecutive shards. The shuffles of Keras' `fit`
+(NumPy arrays with NumPy's global RNG, `PyDataset` batch order with Python's
+`random`, a torch `DataLoader` with torch's default generator) are seeded
+from the chief so that they agree (`same_input_shuffles`); other shuffles,
+such as `tf.data`'s, need a seed.
 
 Opt-out, for users who shard themselves: a `tf.data.Dataset` whose
 `options().experimental_distribute.auto_shard_policy` is
@@ -17,6 +20,8 @@ every worker's input is exhausted, so no worker waits forever.
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -24,6 +29,31 @@ import numpy as np
 from keras.src import tree
 
 _state = threading.local()
+
+
+@contextlib.contextmanager
+def same_input_shuffles(seed: int) -> Iterator[None]:
+    """Seeds the global RNGs that Keras' input adapters shuffle with; restores them afterwards.
+
+    Every worker passes the chief's `seed`, so all read the same order.
+    NumPy shuffles arrays, Python's `random` a `PyDataset`'s batch order and
+    torch's default CPU generator a `DataLoader`'s sampler (seeded only if
+    torch is loaded; CUDA generators are left alone).
+    """
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    torch = sys.modules.get("torch")
+    torch_state = torch.default_generator.get_state() if torch is not None else None
+    np.random.seed(seed)
+    random.seed(seed)
+    if torch is not None:
+        torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+        if torch is not None:
+            torch.default_generator.set_state(torch_state)
 
 
 def is_worker_sharded(data: Any) -> bool:

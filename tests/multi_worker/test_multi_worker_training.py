@@ -17,7 +17,7 @@ from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
-    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data, guide_loop,
+    GLOBAL_BATCH, N, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data, guide_loop,
     keras_run, single_process_statistics, two_output_run,
 )
 
@@ -46,6 +46,20 @@ def test_every_worker_holds_identical_weights(run):
                 "own_weights", "bn_weights", "outputs_weights"):
         for a, b in zip(_weights(first, key), _weights(second, key)):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name, size", [("py_dataset", -(-N // GLOBAL_BATCH)), ("data_loader", N)],
+                         ids=["PyDataset batches", "DataLoader rows"])
+def test_shuffled_fit_reads_the_same_order_on_every_worker(run, name, size):
+    # Each worker seeded its RNGs differently: fit(shuffle=True) seeds the ones Keras' adapters
+    # shuffle with from the chief, so every worker reads the same batches, each epoch a permutation.
+    _, _, (first, second) = run
+    order = first[f"{name}_order"]
+    np.testing.assert_array_equal(order, second[f"{name}_order"])
+    epochs = order[-2 * size:].reshape(2, size)
+    for epoch in epochs:
+        assert sorted(epoch.tolist()) == list(range(size)), epochs
+    assert epochs[0].tolist() != epochs[1].tolist()  # reshuffled each epoch
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.Communication
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+import torch  # noqa: E402
 from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -140,6 +141,40 @@ results["evaluate_py_dataset"] = model.evaluate(Batches(), verbose=0)
 # fit with shuffle=True: NumPy shuffling is seeded from the chief, so every worker slices the same batches.
 model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=True, verbose=0)
 results["shuffled_weights"] = model.get_weights()
+
+
+# fit(shuffle=True) on a PyDataset (batch order from Python's `random`) and a torch DataLoader
+# (sampler from torch's default generator): each worker's RNGs were seeded differently above,
+# so only the chief's seed makes them read the same order.
+class RecordedBatches(Batches):
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
+    def __getitem__(self, index):
+        self.read.append(index)
+        return super().__getitem__(index)
+
+
+class RecordedRows(torch.utils.data.Dataset):
+    def __init__(self, read):
+        self.read = read
+
+    def __len__(self):
+        return len(x)
+
+    def __getitem__(self, index):
+        self.read.append(index)
+        return x[index], y[index]
+
+
+torch.manual_seed(100 + task_id)
+for name, make in (("py_dataset", RecordedBatches),
+                   ("data_loader", lambda read: torch.utils.data.DataLoader(RecordedRows(read), batch_size=GLOBAL_BATCH,
+                                                                           shuffle=True))):
+    read = []
+    model.fit(make(read), epochs=2, verbose=0)
+    results[f"{name}_order"] = np.array(read)
 
 flat = {}
 for key, value in results.items():
