@@ -70,6 +70,14 @@ class _TrainingIterator(EpochIterator):
     def _get_iterator(self) -> Any:
         return self._batches() if self._batches is not None else super()._get_iterator()
 
+    def build_model(self, model: Any) -> None:
+        """Builds the model as the backend's own `fit` would: from a spec (TensorFlow) or the first batch."""
+        batch = engine.trainer.build_batch(self._batches) if self._batches is not None else None
+        if batch is not None:
+            model._symbolic_build(data_batch=batch)
+        else:
+            model._symbolic_build(iterator=self)
+
 
 def _per_worker_input(strategy: Any, x: Any) -> bool:
     """Whether this multi-worker input is already sharded per worker (`input/worker_sharding.py`)."""
@@ -124,7 +132,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
         backend_batches=bool(shuffle) and strategy.extended._num_workers == 1,
     )
-    model._symbolic_build(iterator=epoch_iterator)
+    epoch_iterator.build_model(model)
     strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
     callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches, epochs, add_history=True)

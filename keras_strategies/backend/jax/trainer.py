@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from keras_strategies.backend.jax.devices import copy_to
 
@@ -45,3 +45,8 @@ def call_step(model: Any, kind: str, data: Any, device: str) -> tuple[Any, Any]:
 def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     """The training batches Keras' own JAX trainer reads: NumPy's order (`fit(shuffle=True)` shuffles with NumPy's seed)."""
     return data_adapter.get_numpy_iterator
+
+
+def build_batch(batches: Callable[[], Iterable]) -> Optional[Any]:
+    """None: Keras' own JAX trainer reads the first batch to build the model before `fit`, and so do we."""
+    return None

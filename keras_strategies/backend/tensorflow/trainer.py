@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 # The step writes the model's variables itself (see `keras_strategies.replica_variables`).
 STATEFUL_STEPS = True
@@ -26,3 +26,13 @@ def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     """
     dataset = data_adapter.get_tf_dataset()
     return lambda: dataset
+
+
+def build_batch(batches: Callable[[], Iterable]) -> Optional[Any]:
+    """What to build the model from before `fit`: the pipeline's `element_spec`, without reading a batch.
+
+    Keras' own TensorFlow trainer reads none before the first epoch; reading
+    one here would start an extra pass, which reshuffles a `PyDataset` and
+    shifts every epoch's order against training without a strategy.
+    """
+    return batches().element_spec

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 # The step writes the model's variables itself (see `keras_strategies.replica_variables`).
 STATEFUL_STEPS = True
@@ -25,3 +25,8 @@ def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     training without a strategy.
     """
     return data_adapter.get_torch_dataloader
+
+
+def build_batch(batches: Callable[[], Iterable]) -> Optional[Any]:
+    """None: Keras' own PyTorch trainer reads the first batch to build the model before `fit`, and so do we."""
+    return None
