@@ -169,6 +169,9 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
         callbacks.on_epoch_end(epoch, epoch_logs)
         training_logs = epoch_logs
+        # Keras' callbacks stop on global logs, so every worker agrees; a callback that stops one
+        # worker only (a time limit, a file) stops them all here instead of leaving the others alone.
+        model.stop_training = strategy.extended._any_worker_has(bool(model.stop_training))
         if model.stop_training:
             break
     if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:

@@ -62,6 +62,11 @@ def test_shuffled_fit_reads_the_same_order_on_every_worker(run, name, size):
     assert epochs[0].tolist() != epochs[1].tolist()  # reshuffled each epoch
 
 
+def test_a_callback_stopping_one_worker_stops_every_worker_after_that_epoch(run):
+    _, _, results = run
+    assert [int(worker["chief_stop_epochs"]) for worker in results] == [2, 2]
+
+
 @pytest.mark.parametrize(
     "name, build",
     [("fit", build_model), ("own", build_own_steps_model), ("bn", build_sync_bn_model)],
