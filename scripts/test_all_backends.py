@@ -57,7 +57,7 @@ def run_backend(backend: str, pytest_args: list[str], lock_path: str) -> tuple[i
 def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
     """Runs the backends, `jobs` at a time; returns {backend: (exit code, counts, seconds)}."""
     pending: queue.Queue = queue.Queue()
-    for backend in sorted(backends, key=lambda b: START_ORDER.index(b) if b in START_ORDER else len(START_ORDER)):
+    for backend in sorted(backends, key=START_ORDER.index):
         pending.put(backend)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="ks-tests-") as directory:

@@ -101,25 +101,12 @@ def test_each_outputs_loss_weighs_a_partial_last_batch_by_its_rows():
     _assert_same_weights(model, reference)
 
 
-class _Batches(keras.utils.PyDataset):
-    def __init__(self, x, y, size):
-        super().__init__()
-        self.x, self.y, self.size = x, y, size
-
-    def __len__(self):
-        return -(-len(self.x) // self.size)
-
-    def __getitem__(self, index):
-        rows = slice(index * self.size, (index + 1) * self.size)
-        return self.x[rows], self.y[rows]
-
-
 def _shuffled_input(kind, x, y):
     """fit's input for `kind`; `fit(shuffle=True)` shuffles arrays and a PyDataset's batch order."""
     if kind == "arrays":
         return dict(x=x, y=y, batch_size=4)
     if kind == "PyDataset":
-        return dict(x=_Batches(x, y, 4))
+        return dict(x=Batches(x, y, 4))
     import torch
 
     torch.manual_seed(5)  # Keras seeds torch on the torch backend only
