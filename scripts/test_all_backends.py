@@ -9,7 +9,7 @@ the other). Tests that start processes (workers, the launcher, notebook
 kernels) take a lock file shared by the runs (`KS_TEST_PROCESS_LOCK`, see
 `tests/conftest.py`), so that two backends never run their multi-process
 tests at once: those have timeouts that must not depend on the other runs'
-load. On the project's 2-core machine the suite took 17.4 min one backend at
+load. On the project's 2-core machine the same tests took 17.4 min one backend at
 a time, 14.9 min two at a time and 13.4 min all three at once. Each output
 line carries its backend.
 """
