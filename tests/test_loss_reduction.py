@@ -85,6 +85,15 @@ def _tagger(reduction, run_eagerly=False):
     return build
 
 
+def _padded_tokens(seed):
+    """Token ids of sequences zero-padded after a random length; the generator, for more draws."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 20, size=(N, 6))
+    for row, length in enumerate(rng.integers(1, 7, size=N)):
+        tokens[row, length:] = 0
+    return rng, tokens
+
+
 def _masking_tagger():
     """Masked where features are -1: JAX's zero padding rows are not masked, yet not valid either."""
     model = keras.Sequential([keras.Input((6, 2)), keras.layers.Masking(mask_value=-1.0), keras.layers.Dense(3)])
@@ -110,10 +119,7 @@ def test_padding_rows_are_no_valid_entries_of_a_masked_loss():
 def test_a_masked_loss_divides_by_the_valid_entries_of_the_global_batch(reduction, weighted, run_eagerly):
     # Keras divides a masked mean by the batch's unmasked entries; each replica's own count
     # would weigh its shard wrongly.
-    rng = np.random.default_rng(4)
-    tokens = rng.integers(1, 20, size=(N, 6))
-    for row, length in enumerate(rng.integers(1, 7, size=N)):
-        tokens[row, length:] = 0
+    rng, tokens = _padded_tokens(4)
     tags = rng.integers(0, 3, size=(N, 6))
     kwargs = {"sample_weight": rng.uniform(0.2, 2.0, size=(N, 6)).astype("float32")} if weighted else {}
     # Eagerly, JAX compiles every operation per shard shape: 2 replicas (shards of 6 and 5), 1 epoch.
@@ -125,10 +131,7 @@ def test_a_masked_loss_divides_by_the_valid_entries_of_the_global_batch(reductio
 def test_metrics_of_masked_outputs_leave_the_masked_entries_out():
     # The mask travels with the replicas' predictions to the metrics (by hand: accuracy over the
     # unmasked tokens), in `fit` logs (learning rate 0: the weights stay) and in `evaluate`.
-    rng = np.random.default_rng(6)
-    tokens = rng.integers(1, 20, size=(N, 6))
-    for row, length in enumerate(rng.integers(1, 7, size=N)):
-        tokens[row, length:] = 0
+    rng, tokens = _padded_tokens(6)
     tags = rng.integers(0, 3, size=(N, 6))
 
     def build():
