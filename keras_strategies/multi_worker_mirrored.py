@@ -207,10 +207,10 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         return tree.pack_sequence_as(result, placed)
 
     # --- initial values from the chief -------------------------------------------------------------
-    def _any_worker_has(self, flag: bool) -> bool:
+    def _any_worker_has(self, flag: bool, what: str = "end-of-input agreement") -> bool:
         if self._cluster.num_workers == 1:
             return flag
-        (total,) = self._cross_worker_sum([np.array([1.0 if flag else 0.0], "float32")], "end-of-input agreement")
+        (total,) = self._cross_worker_sum([np.array([1.0 if flag else 0.0], "float32")], what)
         return float(_to_numpy(total)[0]) > 0
 
     def _broadcast_from_chief(self, number: int) -> int:

@@ -179,7 +179,7 @@ class StrategyExtended:
         """
         return values
 
-    def _any_worker_has(self, flag: bool) -> bool:
+    def _any_worker_has(self, flag: bool, what: str = "end-of-input agreement") -> bool:
         """Whether `flag` is true on any worker (one worker: `flag`)."""
         return flag
 

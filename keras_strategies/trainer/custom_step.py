@@ -34,7 +34,7 @@ from keras_strategies import context, keras_state, loss_reduction
 from keras_strategies.backend import engine
 from keras_strategies.input.splitting import split_batch
 from keras_strategies.trainer import cross_worker, worker_states
-from keras_strategies.trainer.replica_step import as_tensors, make_shards
+from keras_strategies.trainer.replica_step import STOPPED, as_tensors, make_shards
 
 
 def overrides_step(model: Any, kind: str) -> bool:
@@ -102,7 +102,18 @@ class CustomStep:
                     new = values[0]
                 variable.assign(new)
 
-    def _step(self, kind: str, data: Any) -> dict:
+    def _stop_agreed(self, stop_asked: bool) -> bool:
+        """Whether a worker asked to stop before this step (`trainer/stopping.py`).
+
+        The model's own step applies its update inside the step, so the flag
+        cannot ride with the step's collectives: it costs one scalar
+        all-reduce per step, with several workers only.
+        """
+        return self.strategy.extended._num_workers > 1 and self.strategy.extended._any_worker_has(stop_asked, "stop agreement")
+
+    def _step(self, kind: str, data: Any, stop_asked: bool) -> Any:
+        if self._stop_agreed(stop_asked):
+            return STOPPED
         across_workers = self.strategy.extended._num_workers > 1
         before = worker_states.capture(self.model, kind) if across_workers else None
         _, states, (_, replicas_with_rows) = self._run(kind, data)
@@ -111,13 +122,15 @@ class CustomStep:
             worker_states.combine(self.model, kind, self.strategy.extended, before, replicas_with_rows)
         return self.model.get_metrics_result()
 
-    def train_step(self, data: Any) -> dict:
-        return self._step("train", data)
+    def train_step(self, data: Any, stop_asked: bool = False) -> Any:
+        return self._step("train", data, stop_asked)
 
-    def test_step(self, data: Any) -> dict:
-        return self._step("test", data)
+    def test_step(self, data: Any, stop_asked: bool = False) -> Any:
+        return self._step("test", data, stop_asked)
 
-    def predict_step(self, data: Any) -> Any:
+    def predict_step(self, data: Any, stop_asked: bool = False) -> Any:
+        if self._stop_agreed(stop_asked):
+            return STOPPED
         outputs, _, (shards, replicas_with_rows) = self._run("predict", data)
         idle = replicas_with_rows == 0
         host = self.devices[0]

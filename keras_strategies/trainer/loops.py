@@ -26,6 +26,7 @@ from keras_strategies.input import worker_sharding
 from keras_strategies.multi_worker import chief_only
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
 from keras_strategies.trainer.replica_step import ReplicaStep
+from keras_strategies.trainer.stopping import StopAgreement
 
 _STEP_ATTR = "_ks_replica_step"
 
@@ -150,13 +151,16 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         callbacks.on_epoch_begin(epoch)
         _set_mode(model, True)
         logs = {}
+        stop = StopAgreement(model, strategy, "stop_training")
         with strategy.extended._same_shuffle_on_every_worker(), worker_sharding.per_worker_input(per_worker):
             for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
                 callbacks.on_train_batch_begin(begin_step)
-                for data in batches:
-                    logs = step.train_step(data)
+                results = stop.run(step.train_step, batches)
+                if results is None:
+                    break
+                logs = results[-1]
                 callbacks.on_train_batch_end(end_step, logs)
-                if model.stop_training:
+                if stop.leave_now():
                     break
         epoch_logs = dict(model._get_metrics_result_or_logs(logs))
         _set_mode(model, False)
@@ -170,8 +174,9 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         callbacks.on_epoch_end(epoch, epoch_logs)
         training_logs = epoch_logs
         # Keras' callbacks stop on global logs, so every worker agrees; a callback that stops one
-        # worker only (a time limit, a file) stops them all here instead of leaving the others alone.
-        model.stop_training = strategy.extended._any_worker_has(bool(model.stop_training))
+        # worker only (a time limit, a file) stops them all: within the epoch at the next step
+        # (`trainer/stopping.py`), on its last step or in `on_epoch_end` here.
+        model.stop_training = strategy.extended._any_worker_has(bool(model.stop_training), "stop agreement")
         if model.stop_training:
             break
     if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
@@ -200,13 +205,16 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     logs = {}
     model.reset_metrics()
     per_worker = _per_worker_input(strategy, x)
+    stop = StopAgreement(model, strategy, "stop_evaluating")
     with worker_sharding.per_worker_input(per_worker):
         for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
             callbacks.on_test_batch_begin(begin_step)
-            for data in batches:
-                logs = step.test_step(data)
+            results = stop.run(step.test_step, batches)
+            if results is None:
+                break
+            logs = results[-1]
             callbacks.on_test_batch_end(end_step, logs)
-            if model.stop_evaluating:
+            if stop.leave_now():
                 break
     logs = pythonify_logs(model._get_metrics_result_or_logs(logs))
     callbacks.on_test_end(logs)
@@ -229,17 +237,21 @@ def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, cal
     outputs = None
     batch_outputs = None
     per_worker = _per_worker_input(strategy, x)
+    stop = StopAgreement(model, strategy, "stop_predicting")
     with worker_sharding.per_worker_input(per_worker):
         for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
             callbacks.on_predict_batch_begin(begin_step)
-            for data in batches:
-                batch_outputs = tree.map_structure(keras_backend.convert_to_numpy, step.predict_step(data))
+            results = stop.run(step.predict_step, batches)
+            if results is None:
+                break
+            for result in results:
+                batch_outputs = tree.map_structure(keras_backend.convert_to_numpy, result)
                 if outputs is None:
                     outputs = tree.map_structure(lambda output: [output], batch_outputs)
                 else:
                     tree.map_structure_up_to(batch_outputs, lambda acc, out: acc.append(out), outputs, batch_outputs)
             callbacks.on_predict_batch_end(end_step, {"outputs": batch_outputs})
-            if model.stop_predicting:
+            if stop.leave_now():
                 break
     callbacks.on_predict_end()
     return tree.map_structure_up_to(batch_outputs, np.concatenate, outputs)

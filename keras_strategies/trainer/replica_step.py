@@ -43,6 +43,9 @@ from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_b
 from keras_strategies.reduce_op import ReduceOp
 from keras_strategies.values import PerReplica
 
+STOPPED = object()
+"""What a step returns instead of its results when a worker asked to stop before it (`trainer/stopping.py`)."""
+
 
 def _is_float(value: Any) -> bool:
     return "float" in str(value.dtype)
@@ -309,7 +312,7 @@ class ReplicaStep:
     def _shards(self, data: Any, with_targets: bool) -> Shards:
         return make_shards(self.strategy, data, len(self.devices), with_targets)
 
-    def train_step(self, data: Any) -> dict:
+    def train_step(self, data: Any, stop_asked: bool = False) -> Any:
         model = self.model
         shards = self._shards(data, with_targets=True)
         weights = self._weights(shards, self._loss_scale())
@@ -325,7 +328,10 @@ class ReplicaStep:
         non_trainable = [outputs[i][1][2] for i in shards.active]
         predictions = [aux[1] for _, aux in outputs]
         if self.num_workers > 1:
-            grads, loss, global_predictions, finish = self._exchange(shards, grads, loss, predictions, non_trainable)
+            exchanged = self._exchange(shards, grads, loss, predictions, non_trainable, stop_asked)
+            if exchanged is STOPPED:  # no update, no metrics: as if the step had not run
+                return STOPPED
+            grads, loss, global_predictions, finish = exchanged
         with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
             engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
         if self.num_workers > 1:
@@ -335,7 +341,7 @@ class ReplicaStep:
             global_predictions = self._global_predictions(shards, predictions)
         return self._update_metrics(shards, loss, global_predictions)
 
-    def test_step(self, data: Any) -> dict:
+    def test_step(self, data: Any, stop_asked: bool = False) -> Any:
         shards = self._shards(data, with_targets=True)
         per_replica = [args + (w,) for args, w in zip(shards.per_replica, self._weights(shards, 1.0))]
         outputs = self._test(self._state(), per_replica)
@@ -345,29 +351,36 @@ class ReplicaStep:
             (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for aux in outputs])
         predictions = [aux[1] for aux in outputs]
         if self.num_workers > 1:
-            _, loss, global_predictions, _ = self._exchange(shards, [], loss, predictions)
+            exchanged = self._exchange(shards, [], loss, predictions, stop_asked=stop_asked)
+            if exchanged is STOPPED:
+                return STOPPED
+            _, loss, global_predictions, _ = exchanged
         else:
             global_predictions = self._global_predictions(shards, predictions)
         return self._update_metrics(shards, loss, global_predictions)
 
-    def predict_step(self, data: Any) -> Any:
+    def predict_step(self, data: Any, stop_asked: bool = False) -> Any:
         shards = self._shards(data, with_targets=False)
         per_replica = [(x, mask) for x, _, _, mask in shards.per_replica]
         outputs = self._predict(self._state(with_metrics=False), per_replica)
         if self.num_workers > 1:
-            return self._exchange(shards, [], None, outputs)[2]
+            exchanged = self._exchange(shards, [], None, outputs, stop_asked=stop_asked)
+            return exchanged if exchanged is STOPPED else exchanged[2]
         return self._global_predictions(shards, outputs)
 
-    def _exchange(self, shards: Shards, grads: list, loss: Any, predictions: list, non_trainable: Any = None):
+    def _exchange(self, shards: Shards, grads: list, loss: Any, predictions: list, non_trainable: Any = None,
+                  stop_asked: bool = False):
         """One all-reduce across workers of everything the step needs (see `cross_worker.py`).
 
         Returns `(grads, loss, global predictions, finish)`; `finish()` assigns the
-        non-trainable values once the update is applied.
+        non-trainable values once the update is applied. Returns `STOPPED` when a
+        worker asked to stop before this step (its flag rides along).
         """
         host = self.devices[0]
         exchange = cross_worker.Exchange(self.strategy.extended._cross_worker_sum)
         mine = cross_worker.fingerprint(shards)
-        exchange.add("check", [mine])
+        # The stop flag rides with the fingerprint: no extra operand (on JAX, one gloo call each).
+        exchange.add("check", [np.append(mine, np.float32(stop_asked))])
         exchange.add("grads", grads, donated=True)
         exchange.add("loss", [] if loss is None else [loss], donated=True)
         local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
@@ -383,9 +396,12 @@ class ReplicaStep:
             payload, kinds = cross_worker.non_trainable_payload(variables, non_trainable, host)
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
         result = exchange.run("gradient all-reduce" if grads else "predictions all-gather")
+        check = ops.convert_to_numpy(result["check"][0])
+        if check[-1] > 0:
+            return STOPPED
         if shards.global_input:
             exact = not grads and loss is None  # predict: outputs must line up with the input
-            cross_worker.check_fingerprints(ops.convert_to_numpy(result["check"][0]), mine, self.num_workers, exact)
+            cross_worker.check_fingerprints(check[:-1], mine, self.num_workers, exact)
         on_host = lambda value: engine.devices.copy_to(ops.convert_to_tensor(value), host)  # noqa: E731
         y_pred = tree.pack_sequence_as(buffers, [on_host(p) for p in result["predictions"]])
         # Paired by `flatten` order: Keras' torch `map_structure` visits dicts in insertion order,

@@ -18,7 +18,7 @@ from mw_launch import PROGRAMS, check, run_program
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
     GLOBAL_BATCH, N, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data, guide_loop,
-    keras_run, single_process_statistics, two_output_run,
+    keras_run, single_process_statistics, stopped_run, two_output_run,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -65,6 +65,32 @@ def test_shuffled_fit_reads_the_same_order_on_every_worker(run, name, size):
 def test_a_callback_stopping_one_worker_stops_every_worker_after_that_epoch(run):
     _, _, results = run
     assert [int(worker["chief_stop_epochs"]) for worker in results] == [2, 2]
+
+
+def _check_stopped_run(out, results, name, build):
+    model = build()
+    model.set_weights(_load(out / f"{name}_initial.npz"))
+    expected = stopped_run(model, *data())  # one process: the callback stops it
+    assert expected["epochs"] == 1 and len(expected["predict"]) == GLOBAL_BATCH
+    for worker in results:
+        assert int(worker[f"{name}_epochs"]) == 1
+        for key in ("loss", "evaluate", "predict"):
+            np.testing.assert_allclose(worker[f"{name}_{key}"], expected[key], err_msg=key, **TOL)
+        for got, weights in zip(_weights(worker, f"{name}_weights"), expected["weights"]):
+            np.testing.assert_allclose(got, weights, **TOL)
+
+
+def test_a_callback_stopping_one_worker_within_an_epoch_stops_every_worker_at_that_step(run):
+    # fit after batch 1, evaluate and predict after batch 0, asked on the chief alone: every
+    # worker stops there, and the results equal one process stopped by the same callback.
+    out, _, results = run
+    _check_stopped_run(out, results, "stopped", build_model)
+
+
+@pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only
+def test_a_one_worker_stop_within_an_epoch_stops_a_model_with_its_own_steps_at_that_step(run):
+    out, _, results = run
+    _check_stopped_run(out, results, "own_stopped", build_own_steps_model)
 
 
 @pytest.mark.parametrize(

@@ -91,6 +91,39 @@ def keras_run(model, x, y):
     }
 
 
+class StopsEarly(keras.callbacks.Callback):
+    """Stops `fit` after batch 1 and `evaluate` / `predict` after batch 0, when `active`.
+
+    Active on one worker only, as a time limit would be: every worker must stop at the same step.
+    """
+
+    def __init__(self, active=True):
+        super().__init__()
+        self.active = active
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = self.model.stop_training or (self.active and batch == 1)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.model.stop_evaluating = self.model.stop_evaluating or self.active
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.model.stop_predicting = self.model.stop_predicting or self.active
+
+
+def stopped_run(model, x, y, active=True):
+    """`fit` / `evaluate` / `predict`, each stopped by `StopsEarly(active)` within its first epoch."""
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[StopsEarly(active)])
+    return {
+        "epochs": len(history.history["loss"]),
+        "loss": history.history["loss"],
+        "weights": model.get_weights(),
+        "evaluate": model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, callbacks=[StopsEarly(active)]),
+        "predict": model.predict(x, batch_size=GLOBAL_BATCH, verbose=0, callbacks=[StopsEarly(active)]),
+    }
+
+
 def build_two_output_model():
     """Dict outputs, each loss with its own reduction: the torch tree orders dicts two ways."""
     inputs = keras.Input((5,))

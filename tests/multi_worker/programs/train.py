@@ -5,6 +5,7 @@ writes its results to `<out>/worker_<task id>.npz`; the chief also writes the
 initial weights of each model, from which the test computes the single-process reference.
 """
 
+import functools
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ from keras import ops  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data,
-    global_batch_sizes, guide_loop, keras_run, two_output_run,
+    global_batch_sizes, guide_loop, keras_run, stopped_run, two_output_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -187,6 +188,12 @@ class StopsOnTheChiefOnly(keras.callbacks.Callback):
 
 history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, verbose=0, callbacks=[StopsOnTheChiefOnly()])
 results["chief_stop_epochs"] = len(history.history["loss"])
+
+# The same callback on the chief only, within the first epoch: every worker stops at that step
+# (Keras steps; the model's own steps on 2 x 1 only, like the dict outputs above).
+run_keras("stopped", build_model, functools.partial(stopped_run, active=task_id == 0))
+if strategy.num_replicas_in_sync == 2:
+    run_keras("own_stopped", build_own_steps_model, functools.partial(stopped_run, active=task_id == 0))
 
 flat = {}
 for key, value in results.items():
