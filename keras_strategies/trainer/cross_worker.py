@@ -27,29 +27,38 @@ def _numpy(value: Any) -> np.ndarray:
     return np.asarray(keras_backend.convert_to_numpy(value))
 
 
+# The batch size travels as base-64 digits and their squares: float32 sums of those stay exact
+# integers for up to 4,000 workers, so equal sizes are told apart from sizes that differ by one
+# row at any batch size (a relative test on B and B^2 misses 255 against 256).
+_DIGITS, _DIGIT_BITS = 4, 6
+
+
 def fingerprint(shards: Any) -> np.ndarray:
-    """`[B, f, B^2, f^2]`: the batch size and a position-weighted checksum of the global batch."""
+    """The batch size's digits and their squares, then a position-weighted checksum f and f^2 of the batch."""
     first = np.asarray(tree.flatten(shards.x)[0])
     column = first.reshape(first.shape[0], -1)[:, 0].astype("float64") if first.size else np.zeros((0,))
     f = float(np.dot(column, np.arange(1, column.shape[0] + 1)) / max(column.shape[0], 1))
-    b = float(shards.batch)
-    return np.array([b, f, b * b, f * f], "float32")
+    digits = [(int(shards.batch) >> (_DIGIT_BITS * k)) & (2**_DIGIT_BITS - 1) for k in range(_DIGITS)]
+    return np.array(digits + [d * d for d in digits] + [f, f * f], "float32")
 
 
 _warned: set = set()
 
 
-def check_fingerprints(total: np.ndarray, mine: np.ndarray, num_workers: int, exact: bool) -> None:
-    """Compares every worker's global batch with the sum-of-squares test.
+def check_fingerprints(total: np.ndarray, batch: int, num_workers: int, exact: bool) -> None:
+    """Compares every worker's global batch (`total`: the sum of the workers' fingerprints).
 
     Different batch sizes always raise `RuntimeError` (each replica's share of
-    the loss would be wrong). Different data (e.g. an unseeded shuffle) raise
-    when `exact` (predictions must line up with the input), else warn once:
+    the loss would be wrong); every worker sees the same sums, so all raise at
+    the same step. Different data (e.g. an unseeded shuffle) raise when
+    `exact` (predictions must line up with the input), else warn once:
     training stays exact for the rows the workers actually took.
     """
-    def differ(k):
-        mean, mean_square = total[k] / num_workers, total[k + 2] / num_workers
-        return mean_square - mean * mean > 1e-4 * max(mean_square, 1.0)
+    sums = [int(round(float(v))) for v in total[:2 * _DIGITS]]
+    # n * sum(d^2) == sum(d)^2 exactly when every worker sent the same digit (Cauchy-Schwarz).
+    sizes_differ = any(num_workers * sums[_DIGITS + k] != sums[k] ** 2 for k in range(_DIGITS))
+    mean, mean_square = total[-2] / num_workers, total[-1] / num_workers
+    data_differ = mean_square - mean * mean > 1e-4 * max(mean_square, 1.0)
 
     advice = (
         "Under MultiWorkerMirroredStrategy every worker reads the same input in the same order and "
@@ -57,12 +66,12 @@ def check_fingerprints(total: np.ndarray, mine: np.ndarray, num_workers: int, ex
         "`dataset.shuffle(n, seed=1)`), or shard the input yourself with "
         "`distribute_datasets_from_function`."
     )
-    if differ(0):
+    if sizes_differ:
         raise RuntimeError(
-            f"The workers read global batches of different sizes (this worker's has {int(mine[0])} "
-            f"samples). {advice}"
+            f"The workers read global batches of different sizes (this worker's has {batch} "
+            f"samples; e.g. batches shuffled without a seed, which moves the partial batch). {advice}"
         )
-    if differ(1):
+    if data_differ:
         message = f"The workers read different global batches (e.g. an unseeded shuffle). {advice}"
         if exact:
             raise RuntimeError(message)
@@ -76,32 +85,34 @@ def check_fingerprints(total: np.ndarray, mine: np.ndarray, num_workers: int, ex
             )
 
 
-def place_rows(shards: Any, local_parts: list, template: Any) -> Any:
-    """This worker's rows placed at their position in a zero buffer of the global batch.
+def place_rows(shards: Any, local_parts: list, template: Any, capacity: int) -> Any:
+    """This worker's rows placed at their position in a zero buffer of `capacity` rows.
 
     `local_parts` are structures of row blocks (concatenated in order);
-    `template` gives the structure, trailing shapes and dtypes.
+    `template` gives the structure, trailing shapes and dtypes. The buffer has
+    the same shape on every worker whatever each one's batch (`capacity` is
+    agreed, see `ReplicaStep._exchange`): rows past it are left out.
     """
 
     def place(*leaves):
         reference = _numpy(leaves[-1])
-        buffer = np.zeros((shards.batch,) + reference.shape[1:], reference.dtype)
+        buffer = np.zeros((max(shards.batch, capacity),) + reference.shape[1:], reference.dtype)
         if len(leaves) > 1:
             local = np.concatenate([_numpy(leaf) for leaf in leaves[:-1]], axis=0)
             buffer[shards.offset:shards.offset + local.shape[0]] = local
-        return buffer
+        return buffer[:capacity]
 
     return tree.map_structure(place, *local_parts, template)
 
 
-def own_rows(shards: Any, structure: Any) -> Any:
-    """This worker's rows of a global-batch structure, in a zero buffer of the global batch."""
+def own_rows(shards: Any, structure: Any, capacity: int) -> Any:
+    """This worker's rows of a global-batch structure, in a zero buffer of `capacity` rows."""
     if structure is None:
         return None
     rows = structure  # per-worker input: the structure holds this worker's rows only
     if shards.global_input:
         rows = tree.map_structure(lambda leaf: np.asarray(leaf)[shards.offset:shards.offset + shards.local_rows], structure)
-    return place_rows(shards, [rows], structure)
+    return place_rows(shards, [rows], structure, capacity)
 
 
 class Exchange:

@@ -51,8 +51,8 @@ class CustomStep:
         self.strategy = strategy
         self.devices = strategy.extended.worker_devices
 
-    def _run(self, kind: str, data: Any) -> tuple[list, list, Any]:
-        shards = make_shards(self.strategy, data, len(self.devices), with_targets=kind != "predict")
+    def _run(self, kind: str, shards: Any) -> tuple[list, list, int]:
+        """Per replica, the model's step outputs and (stateless steps) new states; and how many replicas had rows."""
         sizes, batch = shards.sizes, shards.batch
         pieces = split_batch(shards.local, sizes)
         active = [i for i, size in enumerate(sizes) if size > 0]
@@ -83,7 +83,7 @@ class CustomStep:
         run = engine.replicas.make_replicated(replica, devices, compiled=False, variables=self.model.trainable_variables)
         results = run((), [() for _ in devices])
         writes.combine()
-        return [r[0] for r in results], [r[1] for r in results], (shards, 0 if idle else len(active))
+        return [r[0] for r in results], [r[1] for r in results], 0 if idle else len(active)
 
     def _combine_states(self, kind: str, states: list) -> None:
         """Stateless steps (JAX) return one state per replica; it is combined and assigned."""
@@ -102,21 +102,34 @@ class CustomStep:
                     new = values[0]
                 variable.assign(new)
 
-    def _stop_agreed(self, stop_asked: bool) -> bool:
-        """Whether a worker asked to stop before this step (`trainer/stopping.py`).
+    def _shards_unless_stopped(self, kind: str, data: Any, stop_asked: bool) -> Any:
+        """The step's shards, or `STOPPED` when a worker asked to stop before it (`trainer/stopping.py`).
 
-        The model's own step applies its update inside the step, so the flag
-        cannot ride with the step's collectives: it costs one scalar
-        all-reduce per step, with several workers only.
+        With several workers, one small all-reduce before the model's step
+        (which applies its update inside) carries the stop flag and the batch
+        fingerprint: workers that read batches of different sizes all get a
+        clear error here, not a collective mismatch inside the step.
         """
-        return self.strategy.extended._num_workers > 1 and self.strategy.extended._any_worker_has(stop_asked, "stop agreement")
+        shards = make_shards(self.strategy, data, len(self.devices), with_targets=kind != "predict")
+        extended = self.strategy.extended
+        if extended._num_workers == 1:
+            return shards
+        mine = np.append(cross_worker.fingerprint(shards), np.float32(stop_asked))
+        (total,) = extended._cross_worker_sum([mine], "batch check")
+        total = ops.convert_to_numpy(total)
+        if total[-1] > 0:
+            return STOPPED
+        if shards.global_input:
+            cross_worker.check_fingerprints(total[:-1], shards.batch, extended._num_workers, exact=kind == "predict")
+        return shards
 
     def _step(self, kind: str, data: Any, stop_asked: bool) -> Any:
-        if self._stop_agreed(stop_asked):
+        shards = self._shards_unless_stopped(kind, data, stop_asked)
+        if shards is STOPPED:
             return STOPPED
         across_workers = self.strategy.extended._num_workers > 1
         before = worker_states.capture(self.model, kind) if across_workers else None
-        _, states, (_, replicas_with_rows) = self._run(kind, data)
+        _, states, replicas_with_rows = self._run(kind, shards)
         self._combine_states(kind, states)
         if across_workers:
             worker_states.combine(self.model, kind, self.strategy.extended, before, replicas_with_rows)
@@ -129,9 +142,10 @@ class CustomStep:
         return self._step("test", data, stop_asked)
 
     def predict_step(self, data: Any, stop_asked: bool = False) -> Any:
-        if self._stop_agreed(stop_asked):
+        shards = self._shards_unless_stopped("predict", data, stop_asked)
+        if shards is STOPPED:
             return STOPPED
-        outputs, _, (shards, replicas_with_rows) = self._run("predict", data)
+        outputs, _, replicas_with_rows = self._run("predict", shards)
         idle = replicas_with_rows == 0
         host = self.devices[0]
         on_host = [tree.map_structure(lambda t: engine.devices.copy_to(ops.convert_to_tensor(t), host), o) for o in outputs]
@@ -139,7 +153,7 @@ class CustomStep:
         if self.strategy.extended._num_workers == 1:
             return local
         # Every worker gets the predictions of the whole global batch.
-        buffers = cross_worker.place_rows(shards, [] if idle else [local], local)
+        buffers = cross_worker.place_rows(shards, [] if idle else [local], local, shards.batch)
         flat = self.strategy.extended._cross_worker_sum(tree.flatten(buffers), "predictions all-gather", donated=True)
         return tree.pack_sequence_as(buffers, [engine.devices.copy_to(ops.convert_to_tensor(f), host) for f in flat])
 

@@ -168,6 +168,7 @@ class ReplicaStep:
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
         self._compiled_metrics = None
+        self._rows_capacity = 0  # rows of the exchanged prediction buffers, the same on every worker
         make = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=compiled)
         self._train = make(self._replica_train)
         self._test = make(self._replica_test)
@@ -368,6 +369,16 @@ class ReplicaStep:
             return exchanged if exchanged is STOPPED else exchanged[2]
         return self._global_predictions(shards, outputs)
 
+    def _add_rows(self, exchange: cross_worker.Exchange, shards: Shards, local_parts: list, template: Any) -> tuple:
+        """Adds the global batch's predictions, targets and weights in buffers of the agreed row count."""
+        buffers = cross_worker.place_rows(shards, local_parts, template, self._rows_capacity)
+        exchange.add("predictions", tree.flatten(buffers), donated=True)
+        # Targets and weights of the rows every worker actually used: exact metrics even when
+        # workers read different batches.
+        targets = tuple(cross_worker.own_rows(shards, part, self._rows_capacity) for part in (shards.y, shards.sample_weight))
+        exchange.add("targets", [leaf for leaf in tree.flatten(targets) if leaf is not None], donated=True)
+        return buffers, targets
+
     def _exchange(self, shards: Shards, grads: list, loss: Any, predictions: list, non_trainable: Any = None,
                   stop_asked: bool = False):
         """One all-reduce across workers of everything the step needs (see `cross_worker.py`).
@@ -375,39 +386,48 @@ class ReplicaStep:
         Returns `(grads, loss, global predictions, finish)`; `finish()` assigns the
         non-trainable values once the update is applied. Returns `STOPPED` when a
         worker asked to stop before this step (its flag rides along).
+
+        The rows (predictions, targets) travel in buffers of an agreed number
+        of rows, so that the all-reduce has the same shapes on every worker even
+        when their batches differ in size, which the fingerprint then reports
+        clearly. A global batch larger than that number (the first step, a
+        larger batch size) grows it on every worker and sends the rows again.
         """
         host = self.devices[0]
-        exchange = cross_worker.Exchange(self.strategy.extended._cross_worker_sum)
+        sum_across_workers = self.strategy.extended._cross_worker_sum
+        what = "gradient all-reduce" if grads else "predictions all-gather"
+        exchange = cross_worker.Exchange(sum_across_workers)
         mine = cross_worker.fingerprint(shards)
         # The stop flag rides with the fingerprint: no extra operand (on JAX, one gloo call each).
         exchange.add("check", [np.append(mine, np.float32(stop_asked))])
         exchange.add("grads", grads, donated=True)
         exchange.add("loss", [] if loss is None else [loss], donated=True)
         local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
-        buffers = cross_worker.place_rows(shards, local_parts, predictions[0])
-        exchange.add("predictions", tree.flatten(buffers), donated=True)
-        # Targets and weights of the rows every worker actually used: exact metrics even when
-        # workers read different batches.
-        targets = (cross_worker.own_rows(shards, shards.y), cross_worker.own_rows(shards, shards.sample_weight))
-        exchange.add("targets", [leaf for leaf in tree.flatten(targets) if leaf is not None], donated=True)
+        buffers, targets = self._add_rows(exchange, shards, local_parts, predictions[0])
         variables = self.model.non_trainable_variables
         kinds: list = []
         if non_trainable is not None:
             payload, kinds = cross_worker.non_trainable_payload(variables, non_trainable, host)
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
-        result = exchange.run("gradient all-reduce" if grads else "predictions all-gather")
+        result = exchange.run(what)
         check = ops.convert_to_numpy(result["check"][0])
         if check[-1] > 0:
             return STOPPED
         if shards.global_input:
             exact = not grads and loss is None  # predict: outputs must line up with the input
-            cross_worker.check_fingerprints(check[:-1], mine, self.num_workers, exact)
+            cross_worker.check_fingerprints(check[:-1], shards.batch, self.num_workers, exact)
+        if shards.batch > self._rows_capacity:  # the same batch size on every worker (checked above)
+            self._rows_capacity = shards.batch
+            again = cross_worker.Exchange(sum_across_workers)
+            buffers, targets = self._add_rows(again, shards, local_parts, predictions[0])
+            result.update(again.run(what))
+        rows = lambda value: ops.convert_to_numpy(value)[:shards.batch]  # noqa: E731
         on_host = lambda value: engine.devices.copy_to(ops.convert_to_tensor(value), host)  # noqa: E731
-        y_pred = tree.pack_sequence_as(buffers, [on_host(p) for p in result["predictions"]])
+        y_pred = tree.pack_sequence_as(buffers, [on_host(rows(p)) for p in result["predictions"]])
         # Paired by `flatten` order: Keras' torch `map_structure` visits dicts in insertion order,
         # its `flatten` sorts their keys.
         summed_targets = iter(result["targets"])
-        flat_targets = [None if leaf is None else ops.convert_to_numpy(next(summed_targets)) for leaf in tree.flatten(targets)]
+        flat_targets = [None if leaf is None else rows(next(summed_targets)) for leaf in tree.flatten(targets)]
         shards.y, shards.sample_weight = tree.pack_sequence_as(targets, flat_targets)
 
         def finish() -> None:

@@ -84,6 +84,18 @@ def test_a_model_with_a_large_gradient_trains_like_one_process(results):
             np.testing.assert_allclose(worker[key], np.asarray(reference[key]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["keras_steps", "own_steps"], ids=["Keras steps", "model's own steps"])
+def test_workers_reading_batches_of_different_sizes_get_a_clear_error_and_stay_in_step(results, name):
+    _, workers = results
+    for worker in workers:
+        message = str(worker[f"{name}_different_sizes_error"])
+        assert "global batches of different sizes" in message and "seed" in message, message
+    # Both failed at the same step, before its update, and then trained in step.
+    assert len({int(worker[f"{name}_iterations_after_error"]) for worker in workers}) == 1
+    first, second = (worker[f"{name}_fit_after_error"] for worker in workers)
+    np.testing.assert_array_equal(first, second)
+
+
 def test_workers_with_different_variables_get_a_clear_error(results):
     _, workers = results
     for worker in workers:

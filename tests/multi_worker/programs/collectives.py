@@ -17,7 +17,9 @@ import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import build_wide_model, collective_values, keras_run, wide_data  # noqa: E402
+from common import (  # noqa: E402
+    GLOBAL_BATCH, build_model, build_own_steps_model, build_wide_model, collective_values, data, keras_run, wide_data,
+)
 
 out = sys.argv[1]
 task_id = strategy.cluster_resolver.task_id
@@ -74,6 +76,24 @@ for key, value in keras_run(model, x, y).items():
             results[f"weights_{i}"] = weight
     else:
         results[key] = np.asarray(value)
+
+# Batches shuffled after `batch()` without a seed: the partial batch moves to different steps on
+# different workers. Every worker gets the same clear error at the same step (not a collective
+# that fails inside the backend), and the workers stay in step: the next `fit` trains.
+import tensorflow as tf  # noqa: E402
+
+for name, build in (("keras_steps", build_model), ("own_steps", build_own_steps_model)):
+    with strategy.scope():
+        small = build()
+    moved = tf.data.Dataset.from_tensor_slices(data()).batch(GLOBAL_BATCH).shuffle(4, seed=task_id)
+    try:
+        small.fit(moved, epochs=2, verbose=0)
+        results[f"{name}_different_sizes_error"] = ""
+    except RuntimeError as error:
+        results[f"{name}_different_sizes_error"] = str(error)
+    results[f"{name}_iterations_after_error"] = int(ops.convert_to_numpy(small.optimizer.iterations))
+    history = small.fit(*data(), batch_size=GLOBAL_BATCH, epochs=1, verbose=0).history
+    results[f"{name}_fit_after_error"] = history["loss"]
 
 # Last: workers that create different variables get a clear error on every worker, not a
 # collective mismatch inside the backend.
