@@ -11,6 +11,7 @@ from keras_strategies import devices as _devices
 from keras_strategies import loss_scaling as _loss_scaling
 from keras_strategies import loss_reduction as _loss_reduction
 from keras_strategies import optimizer_hooks as _optimizer_hooks
+from keras_strategies import replica_seeds as _replica_seeds
 from keras_strategies import keras_hooks as _keras_hooks
 from keras_strategies.cross_device_ops import (
     CrossDeviceOps,
@@ -55,6 +56,7 @@ _optimizer_hooks.install()
 _loss_scaling.install()
 _loss_reduction.install()
 _chief_only.install()
+_replica_seeds.install()
 
 __all__ = [
     "ClusterSpec",

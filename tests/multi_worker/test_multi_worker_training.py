@@ -43,7 +43,7 @@ def run(request, tmp_path_factory):
 def test_every_worker_holds_identical_weights(run):
     _, _, (first, second) = run
     for key in ("fit_weights", "loop_weights", "bn_loop_weights", "unsync_loop_weights", "shuffled_weights",
-                "own_weights", "bn_weights", "outputs_weights"):
+                "own_weights", "bn_weights", "outputs_weights", "dropout_weights"):
         for a, b in zip(_weights(first, key), _weights(second, key)):
             np.testing.assert_array_equal(a, b)
 
@@ -60,6 +60,19 @@ def test_shuffled_fit_reads_the_same_order_on_every_worker(run, name, size):
     for epoch in epochs:
         assert sorted(epoch.tolist()) == list(range(size)), epochs
     assert epochs[0].tolist() != epochs[1].tolist()  # reshuffled each epoch
+
+
+def test_every_replica_of_every_worker_draws_its_own_random_numbers(run):
+    _, replicas, results = run
+    first, second = results
+    draws = first["replica_draws"]
+    assert len(set(draws.tolist())) == 2 * replicas, draws
+    np.testing.assert_array_equal(draws, second["replica_draws"])
+    np.testing.assert_array_equal(first["seed_state"], second["seed_state"])
+    # One row per replica: a dropout mask repeated on every replica would keep each feature in
+    # 0 or all rows (the identical weights of both workers are checked above).
+    counts = first["dropout_counts"]
+    assert ((counts > 0) & (counts < 2 * replicas)).any(), counts
 
 
 def test_a_callback_stopping_one_worker_stops_every_worker_after_that_epoch(run):

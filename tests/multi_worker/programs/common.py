@@ -91,6 +91,23 @@ def keras_run(model, x, y):
     }
 
 
+def dropout_counts(strategy):
+    """One `train_on_batch` of a Dropout model on a row of ones per replica, in `strategy`.
+
+    The zero kernel's SGD(1) update is 4 / B times, per feature, the number of
+    rows whose dropout mask kept it. Returns those counts and the weights.
+    """
+    rows = strategy.num_replicas_in_sync
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((64,)), keras.layers.Dropout(0.5, seed=5),
+            keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros"),
+        ])
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(1.0))
+    model.train_on_batch(np.ones((rows, 64), "float32"), np.ones((rows, 1), "float32"))
+    return np.rint(model.get_weights()[0][:, 0] * rows / 4.0), model.get_weights()
+
+
 class StopsEarly(keras.callbacks.Callback):
     """Stops `fit` after batch 1 and `evaluate` / `predict` after batch 0, when `active`.
 

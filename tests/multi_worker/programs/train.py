@@ -23,7 +23,7 @@ from keras import ops  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data,
-    global_batch_sizes, guide_loop, keras_run, stopped_run, two_output_run,
+    dropout_counts, global_batch_sizes, guide_loop, keras_run, stopped_run, two_output_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -126,6 +126,14 @@ results["gather"] = ops.convert_to_numpy(strategy.gather(ids, axis=0))
 values = strategy.experimental_distribute_values_from_function(
     lambda ctx: np.array([ctx.replica_id_in_sync_group], "float32"))
 results["value_ids"] = ops.convert_to_numpy(strategy.gather(values, axis=0))
+
+# Random draws differ on every replica of every worker; the generator state stays the same.
+with strategy.scope():
+    generator = keras.random.SeedGenerator(seed=3)
+draws = strategy.run(lambda: keras.random.uniform((1,), seed=generator))
+results["replica_draws"] = ops.convert_to_numpy(strategy.gather(draws, axis=0))
+results["seed_state"] = ops.convert_to_numpy(generator.state.value)
+results["dropout_counts"], results["dropout_weights"] = dropout_counts(strategy)
 
 
 class Batches(keras.utils.PyDataset):
