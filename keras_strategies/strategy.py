@@ -22,6 +22,7 @@ from keras_strategies.reduce_op import ReduceOp
 from keras_strategies.replica_variables import ReplicaWrites, outside_replica_scope
 from keras_strategies.values import (
     DistributedValues,
+    Mirrored,
     PerReplica,
     is_distributed,
     map_structure,
@@ -86,6 +87,68 @@ class StrategyExtended:
     def variable_created_in_scope(self, variable: Any) -> bool:
         """True only for variables created inside this strategy's scope."""
         return getattr(variable, "_ks_strategy", None) is self._container
+
+    # --- tf.distribute's cross-replica helpers (custom optimizers and loops use them) --------------
+    def _destination_devices(self, destinations: Any) -> tuple:
+        """The devices `destinations` names: a device string, a variable (of this scope: every
+        replica device; else the host) or a list of these."""
+        if isinstance(destinations, str):
+            return (destinations,)
+        if isinstance(destinations, (list, tuple)):
+            return tuple(device for d in destinations for device in self._destination_devices(d))
+        if isinstance(destinations, DistributedValues) or self.variable_created_in_scope(destinations):
+            return self.worker_devices
+        return (self.host_device,)
+
+    def _mirrored_to(self, value: Any, destinations: Any) -> Any:
+        devices = self._destination_devices(destinations)
+        copies = [engine.devices.copy_to(ops.convert_to_tensor(value), device) for device in devices]
+        return copies[0] if len(copies) == 1 else Mirrored(copies)
+
+    def _check_cross_replica(self, name: str) -> None:
+        if context.has_strategy() and context.get_replica_context() is not None:
+            raise RuntimeError(
+                f"`strategy.extended.{name}` is for cross-replica context; inside `strategy.run` use "
+                "`ks.get_replica_context().all_reduce` (or `merge_call`)."
+            )
+
+    def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any, options: Any = None) -> Any:
+        """`value` reduced across replicas (and workers), mirrored on `destinations`."""
+        self._check_cross_replica("reduce_to")
+        return self._mirrored_to(self._reduce(ReduceOp.parse(reduce_op), value, None), destinations)
+
+    def batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple],
+                        options: Any = None) -> list:
+        """`reduce_to` for each `(value, destinations)` pair."""
+        return [self.reduce_to(reduce_op, value, destinations, options) for value, destinations in value_destination_pairs]
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """`tensor` mirrored on `destinations`."""
+        return self._mirrored_to(tensor, destinations)
+
+    def update(self, var: Any, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, group: bool = True) -> Any:
+        """Runs `fn(var, *args, **kwargs)` once: a strategy's variable is one Keras variable,
+        copied to the replicas at each step. Mirrored arguments give their first copy."""
+        self._check_cross_replica("update")
+        first = lambda value: value.values[0] if isinstance(value, Mirrored) else value  # noqa: E731
+        args, kwargs = map_structure(first, tuple(args)), map_structure(first, dict(kwargs or {}))
+        return fn(var, *args, **kwargs)
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable of `value`: a strategy's variables are their own container."""
+        return value
+
+    def read_var(self, var: Any) -> Any:
+        """The variable's value in cross-replica context."""
+        return var.value
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Variables created inside sit with `colocate_with_variable`: every variable of a
+        strategy already lives on its parameter devices, so nothing to change."""
+        if context.get_cross_replica_context() is not self._container:
+            raise RuntimeError("`colocate_vars_with` must be used inside the strategy's `scope()`.")
+        yield
 
     def _track(self, obj: Any) -> None:
         """Remembers variables created in scope (weakly), to mirror them on replica devices."""

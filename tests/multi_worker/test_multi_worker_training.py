@@ -189,6 +189,7 @@ def test_collectives_span_every_replica_of_every_worker(run):
         assert int(worker["num_replicas"]) == replicas
         np.testing.assert_allclose(worker["all_reduce"], [replicas * (replicas + 1) / 2] * 2)
         np.testing.assert_allclose(worker["gather"], np.arange(replicas, dtype="float32"))
+        np.testing.assert_allclose(worker["reduce_to"], [replicas * (replicas - 1) / 2])
         np.testing.assert_allclose(worker["value_ids"], np.arange(replicas, dtype="float32"))
 
 

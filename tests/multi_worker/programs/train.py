@@ -123,6 +123,7 @@ results["all_reduce_grads"] = np.array(
     [float(ops.convert_to_numpy(g)) for g in strategy.experimental_local_results(strategy.run(gradient_fn))])
 ids = strategy.run(lambda: ops.reshape(ops.cast(ks.get_replica_context().replica_id_in_sync_group, "float32"), (1,)))
 results["gather"] = ops.convert_to_numpy(strategy.gather(ids, axis=0))
+results["reduce_to"] = ops.convert_to_numpy(strategy.extended.reduce_to("sum", ids, "cpu:0"))
 values = strategy.experimental_distribute_values_from_function(
     lambda ctx: np.array([ctx.replica_id_in_sync_group], "float32"))
 results["value_ids"] = ops.convert_to_numpy(strategy.gather(values, axis=0))
