@@ -129,7 +129,7 @@ values = strategy.experimental_distribute_values_from_function(
 results["value_ids"] = ops.convert_to_numpy(strategy.gather(values, axis=0))
 
 # Random draws differ on every replica of every worker; the generator state stays the same
-# (on 2 x 2 only: two replicas per worker, the case that 2 x 1 adds nothing to).
+# (on 2 x 2 only, where each worker has two replicas; 2 x 1 adds nothing to this check).
 if strategy.num_replicas_in_sync == 4:
     with strategy.scope():
         generator = keras.random.SeedGenerator(seed=3)
@@ -200,8 +200,8 @@ class StopsOnTheChiefOnly(keras.callbacks.Callback):
 history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, verbose=0, callbacks=[StopsOnTheChiefOnly()])
 results["chief_stop_epochs"] = len(history.history["loss"])
 
-# The same callback on the chief only, within the first epoch: every worker stops at that step
-# (Keras steps on 2 x 2, the model's own steps on 2 x 1: the stop does not depend on the devices).
+# Again a stop asked on the chief only, now within the first epoch: every worker stops at that
+# step (Keras steps on 2 x 2, the model's own steps on 2 x 1: the stop does not depend on the devices).
 if strategy.num_replicas_in_sync == 4:
     run_keras("stopped", build_model, functools.partial(stopped_run, active=task_id == 0))
 else:
