@@ -88,17 +88,25 @@ def test_a_callback_stopping_one_worker_stops_every_worker_after_that_epoch(run)
     assert [int(worker["chief_stop_epochs"]) for worker in results] == [2, 2]
 
 
-def _check_stopped_run(out, results, name, build):
+def _assert_equal_to_one_process(out, results, name, build, run_keras, keys):
+    """Every worker's `<name>_<key>` results and weights equal `run_keras` in this one process,
+    from the chief's initial weights; returns the one-process results."""
     model = build()
     model.set_weights(_load(out / f"{name}_initial.npz"))
-    expected = stopped_run(model, *data())  # one process: the callback stops it
-    assert expected["epochs"] == 1 and len(expected["predict"]) == GLOBAL_BATCH
+    expected = run_keras(model, *data())
     for worker in results:
-        assert int(worker[f"{name}_epochs"]) == 1
-        for key in ("loss", "evaluate", "predict"):
+        for key in keys:
             np.testing.assert_allclose(worker[f"{name}_{key}"], expected[key], err_msg=key, **TOL)
         for got, weights in zip(_weights(worker, f"{name}_weights"), expected["weights"]):
             np.testing.assert_allclose(got, weights, **TOL)
+    return expected
+
+
+def _check_stopped_run(out, results, name, build):
+    # In one process the callback stops the run: one epoch of 2 steps, one batch of predictions.
+    expected = _assert_equal_to_one_process(out, results, name, build, stopped_run, ("loss", "evaluate", "predict"))
+    assert expected["epochs"] == 1 and len(expected["predict"]) == GLOBAL_BATCH
+    assert [int(worker[f"{name}_epochs"]) for worker in results] == [1, 1]
 
 
 @pytest.mark.parametrize("run", [2], indirect=True, ids=["2x2"])  # the workers run it on 2 x 2 only
@@ -122,27 +130,14 @@ def test_a_one_worker_stop_within_an_epoch_stops_a_model_with_its_own_steps_at_t
 )
 def test_fit_evaluate_predict_equal_a_single_process_run(run, name, build):
     out, _, results = run
-    model = build()
-    model.set_weights(_load(out / f"{name}_initial.npz"))
-    expected = keras_run(model, *data())
-    for worker in results:
-        for key in ("loss", "mae", "evaluate", "predict"):
-            np.testing.assert_allclose(worker[f"{name}_{key}"], expected[key], err_msg=key, **TOL)
-        for got, weights in zip(_weights(worker, f"{name}_weights"), expected["weights"]):
-            np.testing.assert_allclose(got, weights, **TOL)
+    _assert_equal_to_one_process(out, results, name, build, keras_run, ("loss", "mae", "evaluate", "predict"))
 
 
 @pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only
 def test_dict_targets_and_per_loss_reductions_equal_a_single_process_run(run):
     out, _, results = run
-    model = build_two_output_model()
-    model.set_weights(_load(out / "outputs_initial.npz"))
-    expected = two_output_run(model, *data())
-    for worker in results:
-        for key in ("loss", "c_loss", "r_loss", "c_accuracy", "evaluate"):
-            np.testing.assert_allclose(worker[f"outputs_{key}"], expected[key], err_msg=key, **TOL)
-        for got, weights in zip(_weights(worker, "outputs_weights"), expected["weights"]):
-            np.testing.assert_allclose(got, weights, **TOL)
+    _assert_equal_to_one_process(out, results, "outputs", build_two_output_model, two_output_run,
+                                 ("loss", "c_loss", "r_loss", "c_accuracy", "evaluate"))
 
 
 def test_evaluate_on_a_py_dataset_equals_evaluate_on_arrays(run):
