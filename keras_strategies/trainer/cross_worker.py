@@ -85,6 +85,21 @@ def check_fingerprints(total: np.ndarray, batch: int, num_workers: int, exact: b
             )
 
 
+def batch_check(shards: Any, stop_asked: bool) -> np.ndarray:
+    """What a step sends to compare the workers' batches and agree on a stop: the fingerprint, then the flag."""
+    return np.append(fingerprint(shards), np.float32(stop_asked))
+
+
+def stop_or_check(total: Any, shards: Any, num_workers: int, exact: bool) -> bool:
+    """From the summed `batch_check`s: True when a worker asked to stop, else checks the batches."""
+    total = _numpy(total)
+    if total[-1] > 0:
+        return True
+    if shards.global_input:
+        check_fingerprints(total[:-1], shards.batch, num_workers, exact)
+    return False
+
+
 def place_rows(shards: Any, local_parts: list, template: Any, capacity: int) -> Any:
     """This worker's rows placed at their position in a zero buffer of `capacity` rows.
 

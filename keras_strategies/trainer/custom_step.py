@@ -114,14 +114,8 @@ class CustomStep:
         extended = self.strategy.extended
         if extended._num_workers == 1:
             return shards
-        mine = np.append(cross_worker.fingerprint(shards), np.float32(stop_asked))
-        (total,) = extended._cross_worker_sum([mine], "batch check")
-        total = ops.convert_to_numpy(total)
-        if total[-1] > 0:
-            return STOPPED
-        if shards.global_input:
-            cross_worker.check_fingerprints(total[:-1], shards.batch, extended._num_workers, exact=kind == "predict")
-        return shards
+        (total,) = extended._cross_worker_sum([cross_worker.batch_check(shards, stop_asked)], "batch check")
+        return STOPPED if cross_worker.stop_or_check(total, shards, extended._num_workers, kind == "predict") else shards
 
     def _step(self, kind: str, data: Any, stop_asked: bool) -> Any:
         shards = self._shards_unless_stopped(kind, data, stop_asked)

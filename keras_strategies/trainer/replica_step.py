@@ -397,9 +397,8 @@ class ReplicaStep:
         sum_across_workers = self.strategy.extended._cross_worker_sum
         what = "gradient all-reduce" if grads else "predictions all-gather"
         exchange = cross_worker.Exchange(sum_across_workers)
-        mine = cross_worker.fingerprint(shards)
         # The stop flag rides with the fingerprint: no extra operand (on JAX, one gloo call each).
-        exchange.add("check", [np.append(mine, np.float32(stop_asked))])
+        exchange.add("check", [cross_worker.batch_check(shards, stop_asked)])
         exchange.add("grads", grads, donated=True)
         exchange.add("loss", [] if loss is None else [loss], donated=True)
         local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
@@ -410,12 +409,9 @@ class ReplicaStep:
             payload, kinds = cross_worker.non_trainable_payload(variables, non_trainable, host)
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
         result = exchange.run(what)
-        check = ops.convert_to_numpy(result["check"][0])
-        if check[-1] > 0:
+        exact = not grads and loss is None  # predict: outputs must line up with the input
+        if cross_worker.stop_or_check(result["check"][0], shards, self.num_workers, exact):
             return STOPPED
-        if shards.global_input:
-            exact = not grads and loss is None  # predict: outputs must line up with the input
-            cross_worker.check_fingerprints(check[:-1], shards.batch, self.num_workers, exact)
         if shards.batch > self._rows_capacity:  # the same batch size on every worker (checked above)
             self._rows_capacity = shards.batch
             again = cross_worker.Exchange(sum_across_workers)
