@@ -3,14 +3,16 @@
 Every worker runs the same program, but only the chief should leave files
 behind and print progress. On the other workers:
 
-- `ModelCheckpoint` and `TensorBoard` write into `workertemp_<task_id>`
-  directories next to the chief's paths, removed when training ends;
+- `ModelCheckpoint`, `TensorBoard` and `CSVLogger` write into
+  `workertemp_<task_id>` directories next to the chief's paths, removed when
+  training ends;
 - `BackupAndRestore` backs up into such a directory too, and every worker
   resumes from the chief's backup (its weights and epoch are broadcast from
   the chief, so other machines need no shared file system);
-- `model.save(...)` / `model.save_weights(...)` write to such a temporary
-  location, which is removed at once; every worker returns from `save` only
-  when the chief's file is complete;
+- `model.save(...)` / `model.save_weights(...)`, and the functions they call
+  (`keras.saving.save_model` / `save_weights`, `keras.models.save_model`),
+  write to such a temporary location, which is removed at once; every worker
+  returns from a save only when the chief's file is complete;
 - the progress bar is off (`verbose=0`).
 """
 
@@ -19,17 +21,27 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 from typing import Any, Callable
 
 import keras
 import numpy as np
-from keras.src.callbacks import BackupAndRestore, ModelCheckpoint, TensorBoard
+from keras.src.callbacks import BackupAndRestore, CSVLogger, ModelCheckpoint, TensorBoard
+from keras.src.saving import saving_api
+
+
+def worker_temp_dir(directory: str, task_id: Any) -> str:
+    """`dir` -> `dir/workertemp_<task_id>` (TensorFlow's naming); unchanged if it is one already."""
+    directory = os.fspath(directory)
+    temp = f"workertemp_{task_id}"
+    # A callback passed to a second `fit` was redirected by the first.
+    return directory if os.path.basename(directory) == temp else os.path.join(directory, temp)
 
 
 def worker_temp_path(path: str, task_id: Any) -> str:
-    """`dir/name` -> `dir/workertemp_<task_id>/name` (TensorFlow's naming)."""
+    """`dir/name` -> `dir/workertemp_<task_id>/name`; unchanged if it is in such a directory already."""
     directory, name = os.path.split(os.fspath(path))
-    return os.path.join(directory, f"workertemp_{task_id}", name)
+    return os.path.join(worker_temp_dir(directory, task_id), name)
 
 
 def _remove(path: str) -> None:
@@ -51,15 +63,31 @@ class _RemoveWorkerTemp(keras.callbacks.Callback):
             _remove(path)
 
 
+class _MakeWorkerTemp(keras.callbacks.Callback):
+    """Creates temporary directories that a callback expects to exist when training begins."""
+
+    def __init__(self, paths: list):
+        super().__init__()
+        self._paths = paths
+
+    def on_train_begin(self, logs=None):
+        for path in self._paths:
+            os.makedirs(path, exist_ok=True)
+
+
 def adapt_callbacks(callbacks: list, task_id: Any) -> list:
     """The callbacks of a non-chief worker: writes redirected or dropped (see module docstring)."""
-    temp_dirs = []
+    temp_dirs, made_dirs = [], []
     for callback in callbacks:
         if isinstance(callback, ModelCheckpoint):
             callback.filepath = worker_temp_path(callback.filepath, task_id)
             temp_dirs.append(os.path.dirname(callback.filepath))
+        elif isinstance(callback, CSVLogger):
+            callback.filename = worker_temp_path(callback.filename, task_id)
+            temp_dirs.append(os.path.dirname(callback.filename))
+            made_dirs.append(temp_dirs[-1])  # CSVLogger opens its file in an existing directory
         elif isinstance(callback, TensorBoard):
-            callback.log_dir = os.path.join(callback.log_dir, f"workertemp_{task_id}")
+            callback.log_dir = worker_temp_dir(callback.log_dir, task_id)
             temp_dirs.append(callback.log_dir)
         elif isinstance(callback, BackupAndRestore):
             # Backups go to a temporary directory: restoring takes the chief's state (broadcast
@@ -70,7 +98,8 @@ def adapt_callbacks(callbacks: list, task_id: Any) -> list:
                 if hasattr(callback, name):
                     setattr(callback, name, os.path.join(backup_dir, os.path.basename(getattr(callback, name))))
             temp_dirs.append(os.path.dirname(backup_dir))
-    return list(callbacks) + ([_RemoveWorkerTemp(temp_dirs)] if temp_dirs else [])
+    return ([_MakeWorkerTemp(made_dirs)] if made_dirs else []) + list(callbacks) + (
+        [_RemoveWorkerTemp(temp_dirs)] if temp_dirs else [])
 
 
 def _multi_worker_extended(model: Any):
@@ -81,18 +110,20 @@ def _multi_worker_extended(model: Any):
 
 
 def _wrap_save(original: Callable) -> Callable:
+    """`saving_api.save_model` / `save_weights(model, filepath, ...)`, chief-only under several workers."""
+
     @functools.wraps(original)
-    def save(self, filepath, *args, **kwargs):
-        extended = _multi_worker_extended(self)
+    def save(model, filepath, *args, **kwargs):
+        extended = _multi_worker_extended(model)
         if extended is None or not isinstance(filepath, (str, os.PathLike)):
-            return original(self, filepath, *args, **kwargs)
+            return original(model, filepath, *args, **kwargs)
         try:
             if extended._is_chief:
-                return original(self, filepath, *args, **kwargs)
+                return original(model, filepath, *args, **kwargs)
             temp = worker_temp_path(filepath, extended._cluster.task_id)
             os.makedirs(os.path.dirname(temp), exist_ok=True)
             try:
-                return original(self, temp, *args, **kwargs)
+                return original(model, temp, *args, **kwargs)
             finally:
                 _remove(os.path.dirname(temp))
         finally:
@@ -129,9 +160,22 @@ def tolerate_concurrent_makedirs() -> None:
     file_utils.makedirs = makedirs
 
 
+_PUBLIC_SAVING_MODULES = ("keras.saving", "keras.models", "keras._tf_keras.keras.saving", "keras._tf_keras.keras.models")
+
+
 def install() -> None:
-    """Installs the `Model.save` / `save_weights` hooks (idempotent)."""
-    for name in ("save", "save_weights"):
-        method = getattr(keras.Model, name)
-        if not hasattr(method, "_ks_original"):
-            setattr(keras.Model, name, _wrap_save(method))
+    """Installs the save hooks (idempotent).
+
+    `Model.save` / `save_weights` call `saving_api.save_model` / `save_weights`, so wrapping
+    those covers the methods, `ModelCheckpoint`, `BackupAndRestore` and the public functions;
+    the public names were bound when Keras was imported and are rebound here (a public module
+    imported later binds the wrapped function itself).
+    """
+    for name in ("save_model", "save_weights"):
+        original = getattr(saving_api, name)
+        if not hasattr(original, "_ks_original"):
+            setattr(saving_api, name, _wrap_save(original))
+        for module_name in _PUBLIC_SAVING_MODULES:
+            module = sys.modules.get(module_name)
+            if module is not None and getattr(module, name, None) is original:
+                setattr(module, name, getattr(saving_api, name))

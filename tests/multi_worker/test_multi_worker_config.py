@@ -100,16 +100,34 @@ def test_non_chief_callbacks_write_to_worker_temp_dirs(tmp_path):
     checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt" / "model_{epoch}.keras"))
     board = keras.callbacks.TensorBoard(str(tmp_path / "logs"))
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
-    adapted = chief_only.adapt_callbacks([checkpoint, board, backup], task_id=3)
-    assert checkpoint.filepath == str(tmp_path / "ckpt" / "workertemp_3" / "model_{epoch}.keras")
-    assert board.log_dir == str(tmp_path / "logs" / "workertemp_3")
-    assert backup.backup_dir == str(tmp_path / "workertemp_3" / "backup")
-    assert backup._weights_path == str(tmp_path / "workertemp_3" / "backup" / "latest.weights.h5")
-    assert len(adapted) == 4  # plus the clean-up callback
-    for path in (tmp_path / "ckpt" / "workertemp_3", tmp_path / "workertemp_3"):
-        path.mkdir(parents=True)
-    adapted[-1].on_train_end()
-    assert not os.path.exists(tmp_path / "ckpt" / "workertemp_3") and not os.path.exists(tmp_path / "workertemp_3")
+    csv = keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
+    for _ in range(2):  # the same callbacks passed to a second fit are not redirected again
+        adapted = chief_only.adapt_callbacks([checkpoint, board, backup, csv], task_id=3)
+        assert checkpoint.filepath == str(tmp_path / "ckpt" / "workertemp_3" / "model_{epoch}.keras")
+        assert board.log_dir == str(tmp_path / "logs" / "workertemp_3")
+        assert backup.backup_dir == str(tmp_path / "workertemp_3" / "backup")
+        assert backup._weights_path == str(tmp_path / "workertemp_3" / "backup" / "latest.weights.h5")
+        assert csv.filename == str(tmp_path / "workertemp_3" / "log.csv")
+        assert len(adapted) == 6  # plus one callback that makes the CSV's directory, one that cleans up
+    make_dirs, remove_dirs = adapted[0], adapted[-1]
+    for callback in (make_dirs, csv):  # the CSV logger alone (the others need a model)
+        callback.on_train_begin()
+    csv.on_epoch_end(0, {"loss": 1.0})
+    csv.on_train_end()
+    assert (tmp_path / "workertemp_3" / "log.csv").read_text().splitlines()[1] == "0,1.0,NA"
+    (tmp_path / "ckpt" / "workertemp_3").mkdir(parents=True)
+    remove_dirs.on_train_end()
+    assert os.listdir(tmp_path) == ["ckpt"] and os.listdir(tmp_path / "ckpt") == []
+
+
+def test_public_save_functions_are_the_chief_only_ones():
+    # `keras.saving.save_model` etc. were bound at Keras' import; the hook rebinds them (the
+    # multi-worker training tests check what they write on each worker).
+    from keras.src.saving import saving_api
+
+    for public, name in ((keras.saving, "save_model"), (keras.models, "save_model"), (keras.saving, "save_weights")):
+        assert getattr(public, name) is getattr(saving_api, name)
+        assert hasattr(getattr(public, name), "_ks_original")
 
 
 class _Store:

@@ -140,6 +140,24 @@ def test_dict_targets_and_per_loss_reductions_equal_a_single_process_run(run):
                                  ("loss", "c_loss", "r_loss", "c_accuracy", "evaluate"))
 
 
+@pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only
+def test_without_a_shared_file_system_only_the_chiefs_directory_keeps_files(run):
+    # Each worker wrote through CSVLogger, ModelCheckpoint, TensorBoard, Model.save / save_weights
+    # and keras.saving / keras.models functions into a directory of its own.
+    out, _, _ = run
+
+    def files(task):
+        root = out / f"files_{task}"
+        return sorted(os.path.relpath(os.path.join(path, name), root).split(os.sep)[0]
+                      for path, _, names in os.walk(root) for name in names)
+
+    assert sorted(set(files(0))) == ["ckpt", "log.csv", "method.keras", "method.weights.h5", "models_function.keras",
+                                     "saving_function.keras", "saving_function.weights.h5", "tb"]
+    assert files(1) == []
+    assert not [path for path, dirs, _ in os.walk(out / "files_1") if any("workertemp" in d for d in dirs)]
+    assert len((out / "files_0" / "log.csv").read_text().splitlines()) == 2  # header, one epoch
+
+
 def test_evaluate_on_a_py_dataset_equals_evaluate_on_arrays(run):
     # Same weights (after the 2 unshuffled epochs), same global batches: the arrays' result is
     # checked against a single process above.

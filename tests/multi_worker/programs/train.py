@@ -207,6 +207,22 @@ if strategy.num_replicas_in_sync == 4:
 else:
     run_keras("own_stopped", build_own_steps_model, functools.partial(stopped_run, active=task_id == 0))
 
+# Chief-only writes when the workers share no file system: each worker is given its own
+# directory, and only the chief's may keep files (2 x 1 only: the devices play no part).
+if strategy.num_replicas_in_sync == 2:
+    own_dir = os.path.join(out, f"files_{task_id}")
+    os.makedirs(own_dir)  # CSVLogger, as in Keras, opens its file in an existing directory
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, callbacks=[
+        keras.callbacks.CSVLogger(os.path.join(own_dir, "log.csv")),
+        keras.callbacks.ModelCheckpoint(os.path.join(own_dir, "ckpt", "epoch_{epoch}.weights.h5"), save_weights_only=True),
+        keras.callbacks.TensorBoard(os.path.join(own_dir, "tb")),
+    ])
+    model.save(os.path.join(own_dir, "method.keras"))
+    model.save_weights(os.path.join(own_dir, "method.weights.h5"))
+    keras.saving.save_model(model, os.path.join(own_dir, "saving_function.keras"))
+    keras.models.save_model(model, os.path.join(own_dir, "models_function.keras"))
+    keras.saving.save_weights(model, os.path.join(own_dir, "saving_function.weights.h5"))
+
 flat = {}
 for key, value in results.items():
     if isinstance(value, list) and value and isinstance(value[0], np.ndarray):
