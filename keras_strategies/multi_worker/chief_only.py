@@ -30,18 +30,22 @@ from keras.src.callbacks import BackupAndRestore, CSVLogger, ModelCheckpoint, Te
 from keras.src.saving import saving_api
 
 
-def worker_temp_dir(directory: str, task_id: Any) -> str:
-    """`dir` -> `dir/workertemp_<task_id>` (TensorFlow's naming); unchanged if it is one already."""
+def worker_temp_path(path: str, task_id: Any) -> str:
+    """`dir/name` -> `dir/workertemp_<task_id>/name` (TensorFlow's naming)."""
+    directory, name = os.path.split(os.fspath(path))
+    return os.path.join(directory, f"workertemp_{task_id}", name)
+
+
+def _redirected_dir(directory: str, task_id: Any) -> str:
+    """A callback's `dir` -> `dir/workertemp_<task_id>`, unless a first `fit` redirected it already."""
     directory = os.fspath(directory)
     temp = f"workertemp_{task_id}"
-    # A callback passed to a second `fit` was redirected by the first.
     return directory if os.path.basename(directory) == temp else os.path.join(directory, temp)
 
 
-def worker_temp_path(path: str, task_id: Any) -> str:
-    """`dir/name` -> `dir/workertemp_<task_id>/name`; unchanged if it is in such a directory already."""
+def _redirected_path(path: str, task_id: Any) -> str:
     directory, name = os.path.split(os.fspath(path))
-    return os.path.join(worker_temp_dir(directory, task_id), name)
+    return os.path.join(_redirected_dir(directory, task_id), name)
 
 
 def _remove(path: str) -> None:
@@ -80,19 +84,19 @@ def adapt_callbacks(callbacks: list, task_id: Any) -> list:
     temp_dirs, made_dirs = [], []
     for callback in callbacks:
         if isinstance(callback, ModelCheckpoint):
-            callback.filepath = worker_temp_path(callback.filepath, task_id)
+            callback.filepath = _redirected_path(callback.filepath, task_id)
             temp_dirs.append(os.path.dirname(callback.filepath))
         elif isinstance(callback, CSVLogger):
-            callback.filename = worker_temp_path(callback.filename, task_id)
+            callback.filename = _redirected_path(callback.filename, task_id)
             temp_dirs.append(os.path.dirname(callback.filename))
             made_dirs.append(temp_dirs[-1])  # CSVLogger opens its file in an existing directory
         elif isinstance(callback, TensorBoard):
-            callback.log_dir = worker_temp_dir(callback.log_dir, task_id)
+            callback.log_dir = _redirected_dir(callback.log_dir, task_id)
             temp_dirs.append(callback.log_dir)
         elif isinstance(callback, BackupAndRestore):
             # Backups go to a temporary directory: restoring takes the chief's state (broadcast
             # after `on_train_begin`), and every worker still makes the same `save` calls.
-            backup_dir = worker_temp_path(callback.backup_dir, task_id)
+            backup_dir = _redirected_path(callback.backup_dir, task_id)
             callback.backup_dir = backup_dir
             for name in ("_weights_path", "_training_metadata_path", "_prev_weights_path", "_prev_training_metadata_path"):
                 if hasattr(callback, name):
