@@ -18,6 +18,7 @@ from keras.src import optimizers as optimizers_module
 from keras.src import tree
 from keras.src.backend import config
 from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils.python_utils import pythonify_logs
 
@@ -62,10 +63,15 @@ class _TrainingIterator(EpochIterator):
     shuffled, at a fraction of the cost per batch (~10 us against ~60 us for a
     `DataLoader` and ~300 us for eager `tf.data`), and the order every worker
     shares under several workers (seeded from the chief).
+
+    A `tf.data.Dataset` is always read through the backend's pipeline, shuffled or not:
+    Keras makes two iterators per epoch (one when an epoch ends, one when the next begins), and
+    on TensorFlow each one moves a dataset that reshuffles on every iteration to its next order.
     """
 
     def __init__(self, *args: Any, backend_batches: bool, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        backend_batches = backend_batches or isinstance(self.data_adapter, TFDatasetAdapter)
         self._batches = engine.trainer.epoch_batches(self.data_adapter) if backend_batches else None
 
     def _get_iterator(self) -> Any:

@@ -18,7 +18,7 @@ from mw_launch import PROGRAMS, check, run_program
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
     GLOBAL_BATCH, N, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data, guide_loop,
-    keras_run, single_process_statistics, stopped_run, two_output_run,
+    keras_run, reshuffled_run, single_process_statistics, stopped_run, two_output_run,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -156,6 +156,12 @@ def test_without_a_shared_file_system_only_the_chiefs_directory_keeps_files(run)
     assert files(1) == []
     assert not [path for path, dirs, _ in os.walk(out / "files_1") if any("workertemp" in d for d in dirs)]
     assert len((out / "files_0" / "log.csv").read_text().splitlines()) == 2  # header, one epoch
+
+
+@pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only
+def test_a_seeded_tf_data_dataset_that_reshuffles_trains_like_one_process(run):
+    out, _, results = run
+    _assert_equal_to_one_process(out, results, "reshuffled", build_model, reshuffled_run, ("loss",))
 
 
 def test_evaluate_on_a_py_dataset_equals_evaluate_on_arrays(run):

@@ -107,6 +107,10 @@ def _shuffled_input(kind, x, y):
         return dict(x=x, y=y, batch_size=4)
     if kind == "PyDataset":
         return dict(x=Batches(x, y, 4))
+    if kind == "tf.data":  # reshuffles on every pass: an extra pass would shift every epoch's order
+        import tensorflow as tf
+
+        return dict(x=tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=3).batch(4))
     import torch
 
     torch.manual_seed(5)  # Keras seeds torch on the torch backend only
@@ -114,10 +118,13 @@ def _shuffled_input(kind, x, y):
     return dict(x=torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True))
 
 
-@pytest.mark.parametrize("kind", ["arrays", "PyDataset", "DataLoader"])
-def test_shuffled_fit_takes_the_same_batches_as_one_device_under_the_same_seed(kind):
+@pytest.mark.parametrize("kind, shuffle", [("arrays", True), ("PyDataset", True), ("DataLoader", True),
+                                           ("tf.data", True), ("tf.data", False)],
+                         ids=["arrays", "PyDataset", "DataLoader", "tf.data", "tf.data, shuffle=False"])
+def test_shuffled_fit_takes_the_same_batches_as_one_device_under_the_same_seed(kind, shuffle):
     # Each path reads the batches as the backend's own trainer does, with no extra pass that would
-    # reshuffle (on TensorFlow Keras builds the model without reading a batch; so do we).
+    # reshuffle (on TensorFlow Keras builds the model without reading a batch; so do we). A tf.data
+    # dataset shuffles itself, whatever `shuffle` says, and moves to its next order on each pass.
     from test_loops import dense_model
 
     x, y = regression_data(22)  # the last batch is partial: its place in the order shows
@@ -125,7 +132,7 @@ def test_shuffled_fit_takes_the_same_batches_as_one_device_under_the_same_seed(k
     histories = []
     for fitted in (reference, model):
         keras.utils.set_random_seed(5)
-        histories.append(fitted.fit(**_shuffled_input(kind, x, y), epochs=2, shuffle=True, verbose=0).history)
+        histories.append(fitted.fit(**_shuffled_input(kind, x, y), epochs=2, shuffle=shuffle, verbose=0).history)
     np.testing.assert_allclose(histories[1]["loss"], histories[0]["loss"], **TOL)
     _assert_same_weights(model, reference)
 

@@ -153,6 +153,16 @@ def build_two_output_model():
     return model
 
 
+def reshuffled_run(model, x, y):
+    """`fit` on a seeded `tf.data` dataset that reshuffles on every pass (each epoch a new order)."""
+    import tensorflow as tf
+
+    tf.random.set_seed(7)  # TF's order depends on the global seed too (the workers seeded theirs differently)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=3).batch(GLOBAL_BATCH)
+    history = model.fit(dataset, epochs=3, verbose=0)
+    return {"loss": history.history["loss"], "weights": model.get_weights()}
+
+
 def two_output_run(model, x, y):
     """`fit` and `evaluate` with dict targets (`c` must stay in [0, 1]) and sample weights.
 

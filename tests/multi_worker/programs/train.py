@@ -23,7 +23,7 @@ from keras import ops  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data,
-    dropout_counts, global_batch_sizes, guide_loop, keras_run, stopped_run, two_output_run,
+    dropout_counts, global_batch_sizes, guide_loop, keras_run, reshuffled_run, stopped_run, two_output_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -99,6 +99,9 @@ run_keras("bn", build_sync_bn_model)
 # (on 2 x 1 devices only: the same code path, at a quarter of the JAX compile time of both).
 if strategy.num_replicas_in_sync == 2:
     run_keras("outputs", build_two_output_model, two_output_run)
+    # A seeded tf.data dataset that reshuffles on every pass: each worker reads each epoch in the
+    # order one process reads it (the same number of passes as Keras' own fit).
+    run_keras("reshuffled", build_model, reshuffled_run)
 
 # Collectives from strategy.run: all_reduce and gather over every replica of every worker.
 def replica_fn():
