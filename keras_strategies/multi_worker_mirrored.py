@@ -39,10 +39,32 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.asarray(keras_backend.convert_to_numpy(value))
 
 
+_joined: dict = {}  # the cluster this process joined ("cluster": WorkerCluster)
+
+
+def _join(cluster: WorkerCluster, options: CommunicationOptions) -> None:
+    """Joins the cluster once per process; a later strategy for the same cluster shares it.
+
+    Every engine joins one cluster per process (`jax.distributed`, the torch process group,
+    TensorFlow's cluster), so a second strategy for another cluster is refused.
+    """
+    joined = _joined.get("cluster")
+    if joined is None:
+        engine.collectives.initialize(cluster, options)
+        _joined["cluster"] = cluster
+    elif (joined.addresses, joined.worker_index) != (cluster.addresses, cluster.worker_index):
+        raise RuntimeError(
+            f"This process already joined a cluster as {joined.describe(joined.worker_index)} of "
+            f"{list(joined.addresses)}; it cannot join another ({cluster.describe(cluster.worker_index)} "
+            f"of {list(cluster.addresses)}). A process belongs to one cluster: create every "
+            "ks.MultiWorkerMirroredStrategy of a program from the same TF_CONFIG or cluster resolver."
+        )
+
+
 class MultiWorkerMirroredExtended(MirroredExtended):
     def __init__(self, container, cluster: WorkerCluster, options: CommunicationOptions):
         if cluster.num_workers > 1:  # joins the cluster before anything initialises the backend's devices
-            engine.collectives.initialize(cluster, options)
+            _join(cluster, options)
         super().__init__(container, default_compute_devices(), cross_device_ops=None)
         self._cluster = cluster
         self._communication_options = options

@@ -164,6 +164,16 @@ def test_a_seeded_tf_data_dataset_that_reshuffles_trains_like_one_process(run):
     _assert_equal_to_one_process(out, results, "reshuffled", build_model, reshuffled_run, ("loss",))
 
 
+@pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only
+def test_a_second_strategy_shares_the_cluster_and_another_cluster_is_refused(run):
+    out, _, results = run
+    _assert_equal_to_one_process(out, results, "again", build_model, keras_run, ("loss", "evaluate", "predict"))
+    for index, worker in enumerate(results):
+        message = str(worker["other_cluster_error"])
+        assert f"already joined a cluster as worker {index} (127.0.0.1:" in message, message
+        assert "cannot join another (worker" in message and "same TF_CONFIG" in message, message
+
+
 def test_evaluate_on_a_py_dataset_equals_evaluate_on_arrays(run):
     # Same weights (after the 2 unshuffled epochs), same global batches: the arrays' result is
     # checked against a single process above.

@@ -34,9 +34,9 @@ results = {"num_replicas": strategy.num_replicas_in_sync}
 
 
 
-def run_keras(name, build, run=keras_run):
+def run_keras(name, build, run=keras_run, in_strategy=strategy):
     """Builds a model in scope (the chief saves its initial weights) and runs `run` on it."""
-    with strategy.scope():
+    with in_strategy.scope():
         model = build()
     if strategy.extended.should_checkpoint:
         np.savez(os.path.join(out, f"{name}_initial.npz"), *model.get_weights())
@@ -225,6 +225,19 @@ if strategy.num_replicas_in_sync == 2:
     keras.saving.save_model(model, os.path.join(own_dir, "saving_function.keras"))
     keras.models.save_model(model, os.path.join(own_dir, "models_function.keras"))
     keras.saving.save_weights(model, os.path.join(own_dir, "saving_function.weights.h5"))
+
+# A second strategy for the same cluster (a notebook cell run again) shares the cluster this
+# process joined; one for another cluster is refused before it touches the engine (2 x 1 only).
+if strategy.num_replicas_in_sync == 2:
+    again = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=120))
+    run_keras("again", build_model, in_strategy=again)
+    other = ks.cluster_resolver.SimpleClusterResolver(
+        ks.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}), task_type="worker", task_id=task_id)
+    try:
+        ks.MultiWorkerMirroredStrategy(cluster_resolver=other)
+        results["other_cluster_error"] = "none"
+    except RuntimeError as error:
+        results["other_cluster_error"] = str(error)
 
 flat = {}
 for key, value in results.items():
