@@ -127,6 +127,10 @@ class MultiWorkerMirroredExtended(MirroredExtended):
                 "Give each worker the same devices (e.g. KERAS_STRATEGIES_CPU_DEVICES)."
             )
 
+    def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+        with chief_only.quiet(self._cluster.num_workers > 1 and not self._cluster.is_chief):
+            return super()._run_keras_method(name, method, model, args, kwargs)
+
     # --- cross-worker collectives ---------------------------------------------------------------
     def _cross_worker_sum(self, values: list, what: str = "all-reduce", donated: Any = False) -> list:
         if self._cluster.num_workers == 1 or not values:

@@ -13,21 +13,25 @@ behind and print progress. On the other workers:
   (`keras.saving.save_model` / `save_weights`, `keras.models.save_model`),
   write to such a temporary location, which is removed at once; every worker
   returns from a save only when the chief's file is complete;
-- the progress bar is off (`verbose=0`).
+- the progress bar is off (`verbose=0`), and Keras' messages (a callback's
+  `verbose=1`: "saving model to ...", "reducing learning rate ...") are not
+  printed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import keras
 import numpy as np
 from keras.src.callbacks import BackupAndRestore, CSVLogger, ModelCheckpoint, TensorBoard
 from keras.src.saving import saving_api
+from keras.src.utils import io_utils
 
 
 def worker_temp_path(path: str, task_id: Any) -> str:
@@ -77,6 +81,24 @@ class _MakeWorkerTemp(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         for path in self._paths:
             os.makedirs(path, exist_ok=True)
+
+
+@contextlib.contextmanager
+def quiet(enabled: bool) -> Iterator[None]:
+    """Keras' own messages (`io_utils.print_msg`, which callbacks print with) are dropped for the duration.
+
+    A non-chief worker's callbacks would repeat the chief's lines, naming its temporary paths.
+    Warnings and the program's own output are left alone.
+    """
+    if not enabled:
+        yield
+        return
+    original = io_utils.print_msg
+    io_utils.print_msg = lambda message, line_break=True: None
+    try:
+        yield
+    finally:
+        io_utils.print_msg = original
 
 
 def adapt_callbacks(callbacks: list, task_id: Any) -> list:

@@ -120,6 +120,18 @@ def test_non_chief_callbacks_write_to_worker_temp_dirs(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt"] and os.listdir(tmp_path / "ckpt") == []
 
 
+def test_quiet_drops_keras_messages_only_while_enabled(capsys):
+    from keras.src.utils import io_utils
+
+    with chief_only.quiet(True):
+        io_utils.print_msg("from a callback")
+        print("the program's own")
+    with chief_only.quiet(False):
+        io_utils.print_msg("on the chief")
+    io_utils.print_msg("afterwards")
+    assert capsys.readouterr().out.splitlines() == ["the program's own", "on the chief", "afterwards"]
+
+
 def test_public_save_functions_are_the_chief_only_ones():
     # `keras.saving.save_model` etc. were bound at Keras' import; the hook rebinds them (the
     # multi-worker training tests check what they write on each worker).

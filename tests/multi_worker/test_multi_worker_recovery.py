@@ -118,4 +118,6 @@ def test_only_the_chief_writes_files_and_prints_progress(resumed):
     assert os.path.isdir(out / "tb" / "train")
     assert not os.path.exists(out / "backup"), "the chief deletes the backup after training"
     assert "[worker 0] Epoch 3/3" in run.stdout, run.stdout
+    assert "[worker 0] Epoch 3: saving model to" in run.stdout, run.stdout  # ModelCheckpoint(verbose=1)
+    # Neither the progress bar nor the callbacks' messages on the other worker.
     assert not [line for line in run.stdout.splitlines() if line.startswith("[worker 1]") and "Epoch" in line]

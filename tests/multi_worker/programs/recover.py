@@ -53,7 +53,7 @@ class KillMe(keras.callbacks.Callback):
 
 callbacks = [
     keras.callbacks.BackupAndRestore(os.path.join(out, "backup")),
-    keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt", "model_{epoch}.keras")),
+    keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt", "model_{epoch}.keras"), verbose=1),  # prints on the chief only
     keras.callbacks.TensorBoard(os.path.join(out, "tb")),
 ]
 if phase in ("crash", "hang") and task_id == 1:
