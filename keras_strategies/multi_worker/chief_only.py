@@ -25,7 +25,7 @@ import functools
 import os
 import shutil
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -59,28 +59,24 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-class _RemoveWorkerTemp(keras.callbacks.Callback):
-    """Removes this worker's temporary directories when training ends."""
+class _WorkerTempDirs(keras.callbacks.Callback):
+    """Makes this worker's temporary directories when training begins, or removes them when it ends.
 
-    def __init__(self, paths: list):
+    Placed first in the callback list to make (CSVLogger opens its file in an existing
+    directory), last to remove (after the other callbacks have closed their files).
+    """
+
+    def __init__(self, make: Sequence[str] = (), remove: Sequence[str] = ()):
         super().__init__()
-        self._paths = paths
-
-    def on_train_end(self, logs=None):
-        for path in self._paths:
-            _remove(path)
-
-
-class _MakeWorkerTemp(keras.callbacks.Callback):
-    """Creates temporary directories that a callback expects to exist when training begins."""
-
-    def __init__(self, paths: list):
-        super().__init__()
-        self._paths = paths
+        self._make, self._remove = list(make), list(remove)
 
     def on_train_begin(self, logs=None):
-        for path in self._paths:
+        for path in self._make:
             os.makedirs(path, exist_ok=True)
+
+    def on_train_end(self, logs=None):
+        for path in self._remove:
+            _remove(path)
 
 
 @contextlib.contextmanager
@@ -111,7 +107,7 @@ def adapt_callbacks(callbacks: list, task_id: Any) -> list:
         elif isinstance(callback, CSVLogger):
             callback.filename = _redirected_path(callback.filename, task_id)
             temp_dirs.append(os.path.dirname(callback.filename))
-            made_dirs.append(temp_dirs[-1])  # CSVLogger opens its file in an existing directory
+            made_dirs.append(temp_dirs[-1])
         elif isinstance(callback, TensorBoard):
             callback.log_dir = _redirected_dir(callback.log_dir, task_id)
             temp_dirs.append(callback.log_dir)
@@ -124,8 +120,8 @@ def adapt_callbacks(callbacks: list, task_id: Any) -> list:
                 if hasattr(callback, name):
                     setattr(callback, name, os.path.join(backup_dir, os.path.basename(getattr(callback, name))))
             temp_dirs.append(os.path.dirname(backup_dir))
-    return ([_MakeWorkerTemp(made_dirs)] if made_dirs else []) + list(callbacks) + (
-        [_RemoveWorkerTemp(temp_dirs)] if temp_dirs else [])
+    return ([_WorkerTempDirs(make=made_dirs)] if made_dirs else []) + list(callbacks) + (
+        [_WorkerTempDirs(remove=temp_dirs)] if temp_dirs else [])
 
 
 def _multi_worker_extended(model: Any):
