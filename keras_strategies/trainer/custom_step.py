@@ -25,13 +25,13 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 from keras import ops
 from keras.src import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_strategies import context, keras_state, loss_reduction
 from keras_strategies.backend import engine
+from keras_strategies.input import padding
 from keras_strategies.input.splitting import split_batch
 from keras_strategies.trainer import cross_worker, worker_states
 from keras_strategies.trainer.replica_step import STOPPED, as_tensors, make_shards
@@ -59,8 +59,8 @@ class CustomStep:
         idle = not active
         if idle:
             # This worker has no rows of this batch, but its optimizer must still take part in the
-            # cross-worker all-reduce: one replica runs a zero row with gradient weight 0.
-            active, pieces = [0], [_zero_row(shards.local)]
+            # cross-worker all-reduce: one replica runs a copy of a real row with gradient weight 0.
+            active, pieces = [0], [padding.source_rows((shards.x, shards.y, shards.sample_weight))]
         snapshot = keras_state.capture()
         devices = [self.devices[i] for i in active]
         # Stateful steps (TF, torch) write the variables themselves; JAX's return new states.
@@ -151,9 +151,3 @@ class CustomStep:
         flat = self.strategy.extended._cross_worker_sum(tree.flatten(buffers), "predictions all-gather", donated=True)
         return tree.pack_sequence_as(buffers, [engine.devices.copy_to(ops.convert_to_tensor(f), host) for f in flat])
 
-
-def _zero_row(structure: Any) -> tuple:
-    """A one-row batch of zeros shaped like `structure`'s rows (`None` entries stay `None`)."""
-    return tree.map_structure(
-        lambda leaf: None if leaf is None else np.zeros((1,) + np.shape(leaf)[1:], np.asarray(leaf).dtype), structure
-    )

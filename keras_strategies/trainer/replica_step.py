@@ -10,8 +10,8 @@ replicas gives exactly the single-device loss of the global batch:
 
 (`data_loss_i` is the compiled loss of the shard, a mean over its `rows_i`
 rows, or whatever each loss's reduction makes exact once weighted, see
-`loss_reduction.py`; padding rows carry sample weight 0, the row mask when
-there are no user weights; weight regularisers count once in total; `add_loss`
+`loss_reduction.py`; padding rows, copies of real rows (`input/padding.py`),
+carry sample weight 0, the row mask when there are no user weights; weight regularisers count once in total; `add_loss`
 terms are taken as per-batch means, so constants and means are exact, while a
 term that *sums* over the batch is scaled by the shard's share).
 Gradients are summed across replicas, clipped by the optimizer after that sum,
@@ -37,7 +37,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_strategies import context, keras_state, loss_reduction, optimizer_hooks
 from keras_strategies.backend import engine
-from keras_strategies.input import worker_sharding
+from keras_strategies.input import padding, worker_sharding
 from keras_strategies.trainer import cross_worker
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
 from keras_strategies.reduce_op import ReduceOp
@@ -78,16 +78,6 @@ def _with_masks(predictions: Any) -> Any:
     return y_pred
 
 
-def _pad_rows(leaf: Any, rows: int) -> Any:
-    if leaf is None:
-        return None
-    array = np.asarray(keras_backend.convert_to_numpy(leaf))
-    if array.shape[0] == rows:
-        return array
-    padding = np.zeros((rows - array.shape[0],) + array.shape[1:], dtype=array.dtype)
-    return np.concatenate([array, padding], axis=0)
-
-
 class Shards:
     """A global batch cut into per-replica shards, padded where the engine needs it."""
 
@@ -124,14 +114,16 @@ class Shards:
             )
         self.local = local  # this worker's rows, unpadded
         pieces = split_batch(local, self.sizes)
+        source = padding.source_rows((self.x, self.y)) if self.padded else None
         self.per_replica = []
         for (x, y, weight), size, rows in zip(pieces, self.sizes, self.rows):
             mask = None
             if self.padded:
                 mask = np.zeros((rows,), "float32")
                 mask[:size] = 1.0
-            pad = functools.partial(tree.map_structure, lambda leaf: _pad_rows(leaf, rows))
-            self.per_replica.append((pad(x), pad(y), pad(weight), mask))
+                x, y = padding.pad_with_copies((x, y), rows, source)
+                weight = padding.pad_with_zeros(weight, rows)
+            self.per_replica.append((x, y, weight, mask))
 
     @property
     def active(self) -> list[int]:

@@ -97,6 +97,33 @@ def test_conv_fit_with_adam_and_accuracy_equals_one_device(replicas):
     assert_same_training(conv_model, *image_data(10), batch_size=4, replicas=replicas)
 
 
+class UnitRows(keras.layers.Layer):
+    """Scales each row to unit length: NaN on a row of zeros."""
+
+    def call(self, x):
+        return x / keras.ops.sqrt(keras.ops.sum(keras.ops.square(x), axis=-1, keepdims=True))
+
+
+def unit_rows_model():
+    model = keras.Sequential([keras.Input((3,)), UnitRows(), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05), metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("sample_weight", [False, True], ids=["row mask", "sample weights"])
+@pytest.mark.parametrize("replicas", [3, 4])
+def test_a_model_that_is_nan_on_a_row_of_zeros_trains_like_one_device(replicas, sample_weight):
+    """Padding rows are copies of real rows: weighted 0, a NaN row of zeros would still make the step NaN.
+
+    10 rows in global batches of 4 and a partial one of 2: shards of uneven sizes
+    (padded on JAX) and replicas without rows (a padding row on every backend).
+    """
+    x, y = regression_data(10)
+    weights = dict(sample_weight=np.linspace(0.5, 1.5, 10).astype("float32")) if sample_weight else {}
+    model = assert_same_training(unit_rows_model, x, y, batch_size=4, replicas=replicas, **weights)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
 def test_validation_split_sample_weight_and_class_weight():
     x, y = image_data(12)
     weights = np.linspace(0.5, 1.5, 12).astype("float32")
