@@ -32,7 +32,7 @@ def _destination(destinations: Any) -> str:
 
 
 def _add_n(values: Sequence[Any]) -> Any:
-    return functools.reduce(ops.add, values)
+    return functools.reduce(engine.gradients.add, values)
 
 
 class CrossDeviceOps:
@@ -107,6 +107,17 @@ class _PackedAllReduce(CrossDeviceOps):
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         if self.num_packs == 0 or len(value_destination_pairs) < 2:
             return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+        sliced = [i for i, (value, _) in enumerate(value_destination_pairs)
+                  if any(engine.gradients.is_sliced(c) for c in _components(value))]
+        if sliced:  # slices (TF's IndexedSlices) are reduced alone: packing would make them dense
+            results: list = [None] * len(value_destination_pairs)
+            dense = [i for i in range(len(value_destination_pairs)) if i not in sliced]
+            for i in sliced:
+                results[i] = self.reduce_implementation(reduce_op, *value_destination_pairs[i], options)
+            packed = self.batch_reduce_implementation(reduce_op, [value_destination_pairs[i] for i in dense], options)
+            for i, value in zip(dense, packed):
+                results[i] = value
+            return results
         device = _destination(value_destination_pairs[0][1])
         per_replica = [[ops.convert_to_tensor(c) for c in _components(v)] for v, _ in value_destination_pairs]
         num_replicas = len(per_replica[0])
@@ -153,7 +164,7 @@ class HierarchicalCopyAllReduce(_PackedAllReduce):
             for i in range(0, len(level) - 1, 2):
                 # Sum each pair on the device of its first element.
                 target = engine.devices.device_of(level[i])
-                paired.append(ops.add(level[i], engine.devices.copy_to(level[i + 1], target)))
+                paired.append(engine.gradients.add(level[i], engine.devices.copy_to(level[i + 1], target)))
             if len(level) % 2:
                 paired.append(level[-1])
             level = paired

@@ -16,6 +16,7 @@ import functools
 import threading
 from typing import Any, Callable, Iterator
 
+from keras.src import backend as keras_backend
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
 
 from keras_strategies import context
@@ -58,6 +59,12 @@ def _wrap_apply(original: Callable) -> Callable:
         grads = _aggregate(replica_context, grads)
 
         def update(_strategy):
+            if not self.built and trainable_variables is not None:
+                # Built at the first update, which may be traced inside a compiled step: its
+                # variables are created outside the trace, as tf-keras creates its slots.
+                with engine.compiler.outside_compiled(), keras_backend.name_scope(self.name, caller=self):
+                    self.build(list(trainable_variables))
+                self.built = True
             with direct_update():
                 if trainable_variables is None:
                     return original(self, grads, trainable_variables)

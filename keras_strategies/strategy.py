@@ -284,7 +284,7 @@ class StrategyExtended:
         """Sum of this worker's components on the host."""
         total = self._on_host(components[0])
         for component in components[1:]:
-            total = ops.add(total, self._on_host(component))
+            total = engine.gradients.add(total, self._on_host(component))
         return total
 
     def _cross_replica_sum(self, components: Sequence[Any]) -> Any:

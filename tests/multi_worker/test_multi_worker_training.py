@@ -17,8 +17,9 @@ from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
-    GLOBAL_BATCH, N, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data, guide_loop,
-    keras_run, reshuffled_run, single_process_statistics, stopped_run, two_output_run,
+    GLOBAL_BATCH, LOOPS, N, build_embedding_model, build_model, build_own_steps_model, build_sync_bn_model,
+    build_two_output_model, data, embedding_run, guide_loop, keras_run, reshuffled_run, single_process_statistics,
+    stopped_run, two_output_run,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -49,8 +50,9 @@ def run(request, tmp_path_factory):
 
 def test_every_worker_holds_identical_weights(run):
     _, _, (first, second) = run
-    for key in ("fit_weights", "loop_weights", "bn_loop_weights", "unsync_loop_weights", "shuffled_weights",
-                "own_weights", "bn_weights", "outputs_weights", "dropout_weights"):  # outputs: 2 x 1 only, dropout: 2 x 2 only
+    for key in ("fit_weights", "loop_weights", "bn_loop_weights", "embedding_loop_weights", "unsync_loop_weights",
+                "shuffled_weights", "own_weights", "bn_weights", "embedding_weights", "outputs_weights",
+                "dropout_weights"):  # outputs: 2 x 1 only, dropout: 2 x 2 only
         for a, b in zip(_weights(first, key), _weights(second, key)):
             np.testing.assert_array_equal(a, b)
 
@@ -124,13 +126,14 @@ def test_a_one_worker_stop_within_an_epoch_stops_a_model_with_its_own_steps_at_t
 
 
 @pytest.mark.parametrize(
-    "name, build",
-    [("fit", build_model), ("own", build_own_steps_model), ("bn", build_sync_bn_model)],
-    ids=["Keras steps", "model's own steps", "synchronized BatchNormalization"],
+    "name, build, run_keras",
+    [("fit", build_model, keras_run), ("own", build_own_steps_model, keras_run), ("bn", build_sync_bn_model, keras_run),
+     ("embedding", build_embedding_model, embedding_run)],
+    ids=["Keras steps", "model's own steps", "synchronized BatchNormalization", "Embedding with Adam"],
 )
-def test_fit_evaluate_predict_equal_a_single_process_run(run, name, build):
+def test_fit_evaluate_predict_equal_a_single_process_run(run, name, build, run_keras):
     out, _, results = run
-    _assert_equal_to_one_process(out, results, name, build, keras_run, ("loss", "mae", "evaluate", "predict"))
+    _assert_equal_to_one_process(out, results, name, build, run_keras, ("loss", "mae", "evaluate", "predict"))
 
 
 @pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only
@@ -182,21 +185,17 @@ def test_evaluate_on_a_py_dataset_equals_evaluate_on_arrays(run):
         np.testing.assert_allclose(worker["evaluate_py_dataset"], worker["fit_evaluate"], **TOL)
 
 
-@pytest.mark.parametrize(
-    "name, build", [("loop", build_model), ("bn_loop", build_sync_bn_model)],
-    ids=["Dense model", "synchronized BatchNormalization"],
-)
-def test_custom_loop_equals_a_single_process_run(run, name, build):
+@pytest.mark.parametrize("name", list(LOOPS), ids=["Dense model", "synchronized BatchNormalization", "Embedding with Adam"])
+def test_custom_loop_equals_a_single_process_run(run, name):
     out, _, results = run
-    import keras
     import tensorflow as tf
 
-    x, y = data()
+    build, make_optimizer, make_data = LOOPS[name]
     model = build()
     model.set_weights(_load(out / f"{name}_initial.npz"))
     single_process_statistics(model)
     strategy = ks.get_strategy()
-    losses = guide_loop(strategy, model, keras.optimizers.SGD(0.05), tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), ks)
+    losses = guide_loop(strategy, model, make_optimizer(), tf.data.Dataset.from_tensor_slices(make_data()).batch(GLOBAL_BATCH), ks)
     for worker in results:
         np.testing.assert_allclose(worker[f"{name}_losses"], losses, **TOL)
         for got, expected in zip(_weights(worker, f"{name}_weights"), model.get_weights()):

@@ -51,10 +51,10 @@ def image_data(n):
     return rng.normal(size=(n, 6, 6, 2)).astype("float32"), rng.integers(0, 3, size=(n,))
 
 
-def assert_same_fit(build, x, y, batch_size, replicas, epochs=2, **fit_kwargs):
+def assert_same_fit(build, x, y, batch_size, replicas, epochs=2, cross_device_ops=None, **fit_kwargs):
     """`fit` of `build()` on `replicas` devices equals one device (logs and weights); returns `(model, reference)`."""
     reference = build()
-    strategy = ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], cross_device_ops=cross_device_ops)
     with strategy.scope():
         model = build()
     model.set_weights(reference.get_weights())
@@ -68,9 +68,9 @@ def assert_same_fit(build, x, y, batch_size, replicas, epochs=2, **fit_kwargs):
     return model, reference
 
 
-def assert_same_training(build, x, y, batch_size, replicas, epochs=2, **fit_kwargs):
+def assert_same_training(build, x, y, batch_size, replicas, epochs=2, cross_device_ops=None, **fit_kwargs):
     """`fit`, then `evaluate` and `predict`, equal one device."""
-    model, reference = assert_same_fit(build, x, y, batch_size, replicas, epochs, **fit_kwargs)
+    model, reference = assert_same_fit(build, x, y, batch_size, replicas, epochs, cross_device_ops, **fit_kwargs)
     np.testing.assert_allclose(
         model.evaluate(x, y, batch_size=batch_size, verbose=0),
         reference.evaluate(x, y, batch_size=batch_size, verbose=0), **TOL,
@@ -95,6 +95,31 @@ def test_dense_fit_equals_one_device(replicas, samples, batch_size):
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_conv_fit_with_adam_and_accuracy_equals_one_device(replicas):
     assert_same_training(conv_model, *image_data(10), batch_size=4, replicas=replicas)
+
+
+def embedding_model():
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4), keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3),
+    ])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(0.05), metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize(
+    "replicas, cross_device_ops",
+    [(2, None), (3, None), (3, ks.ReductionToOneDevice()), (3, ks.HierarchicalCopyAllReduce()),
+     (3, ks.HierarchicalCopyAllReduce(num_packs=0))],
+    ids=["2 replicas", "3 replicas", "ReductionToOneDevice", "HierarchicalCopyAllReduce", "unpacked"],
+)
+def test_an_embedding_trained_with_adam_equals_one_device(replicas, cross_device_ops):
+    """On TensorFlow the Embedding's gradient is an IndexedSlices, which Keras' Adam squares slice by slice:
+    the replicas' slices must reach it as slices (concatenated), not as their dense sum."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 20, size=(11, 6)).astype("int32")  # batches repeat tokens
+    assert_same_training(embedding_model, tokens, rng.integers(0, 3, size=(11,)), batch_size=4, replicas=replicas,
+                         cross_device_ops=cross_device_ops)
 
 
 class UnitRows(keras.layers.Layer):

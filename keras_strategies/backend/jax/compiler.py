@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,3 +40,8 @@ def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
         return output
 
     return call
+
+
+def outside_compiled() -> contextlib.AbstractContextManager:
+    """Nothing to leave: a user's step runs eagerly here (see `compile_step`)."""
+    return contextlib.nullcontext()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+from keras import ops
 
 from keras_strategies.replica_variables import RecordingScope
 
@@ -34,3 +35,12 @@ def variables_value_and_grad(fn: Callable[..., Any], variables: list, args: tupl
     for variable, new_value in updates:
         variable.assign(new_value)
     return output, grads
+
+
+# `x + y` of two partial sums (TensorFlow's `IndexedSlices` need more).
+add = ops.add
+
+
+def is_sliced(value: Any) -> bool:
+    """Gradients here are always dense (TensorFlow's may be `IndexedSlices`)."""
+    return False

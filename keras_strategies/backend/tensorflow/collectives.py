@@ -171,14 +171,27 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     """Element-wise sums of `values` over all workers (same shapes and dtypes on every worker).
 
     `donated` is accepted for the engines' common interface: TF's collectives
-    write their own outputs. Works eagerly (through a compiled program per signature, so the
+    write their own outputs. An `IndexedSlices` (the gradient of an Embedding)
+    is gathered, as TF's own strategy does: the result holds every worker's
+    slices, as one process's gradient holds every row's, and Keras' optimizers
+    on TensorFlow treat those differently from their dense sum (Adam squares
+    each slice). Works eagerly (through a compiled program per signature, so the
     tensors are packed) and inside a `tf.function` (e.g. a `merge_call` of a compiled custom step).
     """
+    outputs: list = [None] * len(values)
     with tf.device(_state["device"]):
-        tensors = [tf.convert_to_tensor(v) for v in values]
-        if tf.executing_eagerly():
-            return list(_eager_program(tensors)(tensors))
-        return _packed_all_reduce(tensors)
+        dense = []
+        for i, value in enumerate(values):
+            if isinstance(value, tf.IndexedSlices):
+                outputs[i] = _state["launcher"].all_reduce_indexed_slices(value)
+            else:
+                dense.append(i)
+        tensors = [tf.convert_to_tensor(values[i]) for i in dense]
+        if tensors:
+            summed = _eager_program(tensors)(tensors) if tf.executing_eagerly() else _packed_all_reduce(tensors)
+            for i, value in zip(dense, summed):
+                outputs[i] = value
+    return outputs
 
 
 def kv_set(key: str, value: str) -> None:

@@ -25,3 +25,11 @@ def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
     loses, counting a partial last batch as one sample.
     """
     return tf.function(fn)
+
+
+def outside_compiled() -> Any:
+    """Runs its block outside any `tf.function` being traced (TF's `init_scope`).
+
+    Variables created there exist once, eagerly, whichever trace asked for them.
+    """
+    return tf.init_scope()

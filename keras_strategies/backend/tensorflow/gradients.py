@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import tensorflow as tf
+from keras import ops
 
 
 def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:
@@ -30,3 +31,24 @@ def variables_value_and_grad(fn: Callable[..., Any], variables: list, args: tupl
     value = output[0] if isinstance(output, tuple) else output
     grads = tape.gradient(value, targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return output, grads
+
+
+def is_sliced(value: Any) -> bool:
+    """Whether `value` is an `IndexedSlices`, which reductions must keep as slices (see `add`)."""
+    return isinstance(value, tf.IndexedSlices)
+
+
+def add(x: Any, y: Any) -> Any:
+    """`x + y` of two partial sums; `IndexedSlices` (an Embedding's gradients) concatenate.
+
+    As `tf.distribute` adds them: the sum keeps every replica's slices, which
+    Keras' optimizers treat differently from their dense sum (Adam squares
+    each slice). A mix with a dense tensor is dense.
+    """
+    if isinstance(x, tf.IndexedSlices) and isinstance(y, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([x.values, y.values], 0), tf.concat([x.indices, y.indices], 0), x.dense_shape
+        )
+    if isinstance(x, tf.IndexedSlices) or isinstance(y, tf.IndexedSlices):
+        return ops.add(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+    return ops.add(x, y)

@@ -53,7 +53,21 @@ def global_sum(values: list, across_workers: Callable[[list], list], over_all_re
     Eagerly, TF runs the replicas in threads whose collectives would race, so
     the sum is the strategy's `over_all_replicas` (one merge, one
     cross-worker sum per worker), with the same gradient rule.
+
+    `IndexedSlices` (an Embedding's gradients, summed by the optimizer) are
+    gradients already: they are summed as they are, without a rule, and come
+    back as `IndexedSlices` holding every replica's slices, as in TF.
     """
+    sparse = [i for i, v in enumerate(values) if isinstance(v, tf.IndexedSlices)]
+    if sparse:
+        dense = [i for i in range(len(values)) if i not in sparse]
+        outputs: list = [None] * len(values)
+        slices = [values[i] for i in sparse]
+        summed = over_all_replicas(slices) if tf.executing_eagerly() else across_workers(all_reduce_sum(slices))
+        summed += global_sum([values[i] for i in dense], across_workers, over_all_replicas) if dense else []
+        for i, value in zip(sparse + dense, summed):
+            outputs[i] = value
+        return outputs
     tensors = [tf.convert_to_tensor(v) for v in values]
     if tf.executing_eagerly():
         return _with_sum_gradient(over_all_replicas, tensors)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 
@@ -17,3 +18,8 @@ def compile_step(fn: Callable) -> Callable:
 def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
     """Stateful updates run eagerly, like Keras' torch trainer by default."""
     return fn
+
+
+def outside_compiled() -> contextlib.AbstractContextManager:
+    """Nothing to leave: a user's step runs eagerly here (see `compile_step`)."""
+    return contextlib.nullcontext()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from keras import ops
 from keras.src import tree
 
 
@@ -36,3 +37,12 @@ def variables_value_and_grad(fn: Callable[..., Any], variables: list, args: tupl
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, found)]
     detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
     return tree.map_structure(detach, output), grads
+
+
+# `x + y` of two partial sums (TensorFlow's `IndexedSlices` need more).
+add = ops.add
+
+
+def is_sliced(value: Any) -> bool:
+    """Gradients here are always dense (TensorFlow's may be `IndexedSlices`)."""
+    return False

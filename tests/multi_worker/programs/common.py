@@ -83,6 +83,30 @@ def build_own_steps_model():
     return model
 
 
+def embedding_data(n=N):
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 20, size=(n, 6)).astype("int32")  # each batch repeats tokens
+    return tokens, rng.normal(size=(n, 1)).astype("float32")
+
+
+def build_embedding_model():
+    """An Embedding trained with Adam. On TensorFlow its gradient is an IndexedSlices, one slice
+    per token, which Keras' Adam squares slice by slice: not the same as their dense sum."""
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(20, 4),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+    return model
+
+
+def embedding_run(model, x, y):
+    """`keras_run` on `embedding_data()` (`x`, `y` are the Dense models' data)."""
+    return keras_run(model, *embedding_data())
+
+
 def keras_run(model, x, y):
     """`fit` (2 unshuffled epochs) / `evaluate` / `predict`: what the tests compare with one process."""
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
@@ -215,6 +239,23 @@ def guide_loop(strategy, model, optimizer, dataset, ks, n=N):
 
     return [float(ops.convert_to_numpy(distributed_train_step(inputs, size)))
             for inputs, size in zip(dist_dataset, global_batch_sizes(n))]
+
+
+def sgd():
+    return keras.optimizers.SGD(0.05)
+
+
+def adam():
+    return keras.optimizers.Adam(0.05)
+
+
+# The guide's custom loop, per model: (build, optimizer, data). With Adam, the optimizer's
+# slots are created inside the compiled step (`ks.function`) on its first call.
+LOOPS = {
+    "loop": (build_model, sgd, data),
+    "bn_loop": (build_sync_bn_model, sgd, data),
+    "embedding_loop": (build_embedding_model, adam, embedding_data),
+}
 
 
 WIDE = 512  # a 512 x 512 float32 kernel is 1 MiB: its gradient is reduced on its own, in place

@@ -22,8 +22,9 @@ from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    GLOBAL_BATCH, build_model, build_own_steps_model, build_sync_bn_model, build_two_output_model, data,
-    dropout_counts, global_batch_sizes, guide_loop, keras_run, reshuffled_run, stopped_run, two_output_run,
+    GLOBAL_BATCH, LOOPS, build_embedding_model, build_model, build_own_steps_model, build_sync_bn_model,
+    build_two_output_model, data, dropout_counts, embedding_run, global_batch_sizes, guide_loop, keras_run,
+    reshuffled_run, stopped_run, two_output_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -49,21 +50,25 @@ def run_keras(name, build, run=keras_run, in_strategy=strategy):
 model = run_keras("fit", build_model)
 
 
-def run_loop(name, build):
+def run_loop(name):
     """The guide's custom loop on a tf.data dataset (new variables: the chief's values are broadcast)."""
+    build, make_optimizer, make_data = LOOPS[name]
     with strategy.scope():
         loop_model = build()
-        optimizer = keras.optimizers.SGD(0.05)
+        optimizer = make_optimizer()
     if strategy.extended.should_checkpoint:
         np.savez(os.path.join(out, f"{name}_initial.npz"), *loop_model.get_weights())
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    dataset = tf.data.Dataset.from_tensor_slices(make_data()).batch(GLOBAL_BATCH)
     results[f"{name}_losses"] = guide_loop(strategy, loop_model, optimizer, dataset, ks)
     results[f"{name}_weights"] = loop_model.get_weights()
 
 
-run_loop("loop", build_model)
+run_loop("loop")
 # Synchronized BatchNormalization in the custom loop (JAX: sums between eager replica threads).
-run_loop("bn_loop", build_sync_bn_model)
+run_loop("bn_loop")
+# An Embedding with Adam: on TensorFlow its gradients are IndexedSlices, gathered across workers
+# as TF does; Adam's slots are created inside the compiled step.
+run_loop("embedding_loop")
 
 # A custom loop with metrics and unsynchronized BatchNormalization: the values written in
 # strategy.run combine across workers (metric totals add up, moving statistics average).
@@ -94,6 +99,9 @@ run_keras("own", build_own_steps_model)
 
 # Synchronized BatchNormalization: statistics of the global batch, across workers.
 run_keras("bn", build_sync_bn_model)
+
+# An Embedding with Adam (IndexedSlices gradients on TensorFlow).
+run_keras("embedding", build_embedding_model, embedding_run)
 
 # Dict outputs and targets, sample weights, and a "sum" and a "mean_with_sample_weight" loss
 # (on 2 x 1 devices only: the same code path, at a quarter of the JAX compile time of both).
