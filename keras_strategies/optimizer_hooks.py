@@ -16,6 +16,7 @@ import functools
 import threading
 from typing import Any, Callable, Iterator
 
+from keras import ops
 from keras.src import backend as keras_backend
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
 
@@ -83,7 +84,7 @@ def _aggregate(replica_context: Any, grads: Any) -> list:
         return grads
     present = [i for i, g in enumerate(grads) if g is not None]
     weight = replica_context._gradient_weight
-    local = [grads[i] if weight is None else grads[i] * weight for i in present]
+    local = [grads[i] if weight is None else ops.multiply(grads[i], weight) for i in present]  # keeps IndexedSlices
     # Not `replica_context.all_reduce`: nothing differentiates this sum, so it needs no gradient rule.
     summed = replica_context.strategy.extended._all_reduce(replica_context, ReduceOp.SUM, local)
     for i, g in zip(present, summed):

@@ -106,3 +106,22 @@ def test_a_differentiable_all_reduce_in_a_custom_train_step_trains_exactly_like_
 
     x, y = regression_data(10)
     assert_same_fit(build, x, y, batch_size=4, replicas=3)
+
+
+class OwnStepEmbedding(keras.Sequential):
+    def train_step(self, *args):
+        return super().train_step(*args)
+
+
+def test_an_embedding_in_a_custom_train_step_trains_exactly_like_one_device():
+    # TensorFlow: the replicas' IndexedSlices gradients are weighted by their shares as slices.
+    def build_embedding():
+        model = OwnStepEmbedding([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=keras.optimizers.Adam(0.05), metrics=["accuracy"])
+        return model
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 20, size=(11, 6)).astype("int32")
+    assert_same_fit(build_embedding, tokens, rng.integers(0, 3, size=(11,)), batch_size=4, replicas=3)
