@@ -6,6 +6,7 @@ identical weights on every worker, equal to a single-process run within
 1e-5, including a partial last batch (50 samples, global batch 16).
 """
 
+import functools
 import os
 import sys
 
@@ -17,8 +18,8 @@ from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
-    GLOBAL_BATCH, LOOPS, N, build_embedding_model, build_model, build_own_steps_model, build_sync_bn_model,
-    build_two_output_model, data, embedding_run, guide_loop, keras_run, reshuffled_run, single_process_statistics,
+    GLOBAL_BATCH, LOOPS, N, build_embedding_model, build_mixed_model, build_model, build_own_steps_model,
+    build_sync_bn_model, build_two_output_model, data, embedding_run, guide_loop, keras_run, reshuffled_run, single_process_statistics,
     stopped_run, two_output_run,
 )
 
@@ -90,7 +91,7 @@ def test_a_callback_stopping_one_worker_stops_every_worker_after_that_epoch(run)
     assert [int(worker["chief_stop_epochs"]) for worker in results] == [2, 2]
 
 
-def _assert_equal_to_one_process(out, results, name, build, run_keras, keys):
+def _assert_equal_to_one_process(out, results, name, build, run_keras, keys, tol=TOL):
     """Every worker's `<name>_<key>` results and weights equal `run_keras` in this one process,
     from the chief's initial weights; returns the one-process results."""
     model = build()
@@ -98,9 +99,9 @@ def _assert_equal_to_one_process(out, results, name, build, run_keras, keys):
     expected = run_keras(model, *data())
     for worker in results:
         for key in keys:
-            np.testing.assert_allclose(worker[f"{name}_{key}"], expected[key], err_msg=key, **TOL)
+            np.testing.assert_allclose(worker[f"{name}_{key}"], expected[key], err_msg=key, **tol)
         for got, weights in zip(_weights(worker, f"{name}_weights"), expected["weights"]):
-            np.testing.assert_allclose(got, weights, **TOL)
+            np.testing.assert_allclose(got, weights, **tol)
     return expected
 
 
@@ -141,6 +142,17 @@ def test_dict_targets_and_per_loss_reductions_equal_a_single_process_run(run):
     out, _, results = run
     _assert_equal_to_one_process(out, results, "outputs", build_two_output_model, two_output_run,
                                  ("loss", "c_loss", "r_loss", "c_accuracy", "evaluate"))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only
+def test_mixed_precision_equals_a_single_process_run(run, policy):
+    # Half floats round differently when summed in another order: the in-process tolerance.
+    out, _, results = run
+    for a, b in zip(_weights(results[0], f"{policy}_weights"), _weights(results[1], f"{policy}_weights")):
+        np.testing.assert_array_equal(a, b)
+    _assert_equal_to_one_process(out, results, policy, functools.partial(build_mixed_model, policy), keras_run,
+                                 ("loss", "mae", "evaluate", "predict"), tol=dict(rtol=1e-2, atol=1e-2))
 
 
 @pytest.mark.parametrize("run", [1], indirect=True, ids=["2x1"])  # the workers run it on 2 x 1 only

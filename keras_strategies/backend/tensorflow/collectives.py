@@ -30,6 +30,8 @@ MAX_KEYED_SIGNATURES = 256
 # inside TF's abort without any message (seen once in the suite's hung-worker test).
 TF_TIMEOUT_MARGIN_SECONDS = 30.0
 
+_HALF_FLOATS = (tf.float16, tf.bfloat16)
+
 
 def _tf_options(options: Any) -> tf.distribute.experimental.CommunicationOptions:
     implementation = getattr(tf.distribute.experimental.CommunicationImplementation, options.implementation.value)
@@ -187,10 +189,13 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
             else:
                 dense.append(i)
         tensors = [tf.convert_to_tensor(values[i]) for i in dense]
+        dtypes = [t.dtype for t in tensors]
+        # TF's CPU collectives crash the process on half floats: they travel as float32 (exact).
+        tensors = [tf.cast(t, tf.float32) if t.dtype in _HALF_FLOATS else t for t in tensors]
         if tensors:
             summed = _eager_program(tensors)(tensors) if tf.executing_eagerly() else _packed_all_reduce(tensors)
-            for i, value in zip(dense, summed):
-                outputs[i] = value
+            for i, value, dtype in zip(dense, summed, dtypes):
+                outputs[i] = value if value.dtype == dtype else tf.cast(value, dtype)
     return outputs
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -110,6 +111,14 @@ def _spread(tensors: list) -> list:
     return pairs
 
 
+def _as_torch(value: Any) -> torch.Tensor:
+    """`value` as a tensor; NumPy's bfloat16 (`ml_dtypes`, e.g. predictions under
+    `mixed_bfloat16`), which `torch.as_tensor` refuses, by its bits."""
+    if isinstance(value, np.ndarray) and value.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(value).view(np.uint16)).view(torch.bfloat16)
+    return torch.as_tensor(value)
+
+
 def all_reduce_sum(values: list, donated: Any = False) -> list:
     """Element-wise sums of `values` over all workers (same shapes and dtypes on every worker).
 
@@ -121,7 +130,7 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     round trips are already done. The collectives are spread over two gloo
     groups, which run in parallel.
     """
-    originals = [torch.as_tensor(v) for v in values]
+    originals = [_as_torch(v) for v in values]
     tensors = [t.detach().cpu() for t in originals]
     alone, groups = packing.plan([t.dtype for t in tensors], [t.numel() * t.element_size() for t in tensors],
                                  _in_place_candidates(tensors, packing.per_value(donated, len(tensors))))

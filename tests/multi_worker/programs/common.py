@@ -107,6 +107,24 @@ def embedding_run(model, x, y):
     return keras_run(model, *embedding_data())
 
 
+def build_mixed_model(policy):
+    """`build_model` under a mixed-precision policy: predictions and activations in half floats.
+
+    A loss scale of 2^8, not 2^15: at 2^15 a float16 gradient summed over the whole batch
+    overflows in one process where the workers' half-batch sums do not (README, mixed precision).
+    """
+    keras.config.set_dtype_policy(policy)
+    try:
+        model = build_model()
+        optimizer = keras.optimizers.Adam(0.01, global_clipnorm=1.0)
+        if policy == "mixed_float16":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0**8)
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+        return model
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
 def keras_run(model, x, y):
     """`fit` (2 unshuffled epochs) / `evaluate` / `predict`: what the tests compare with one process."""
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
@@ -115,7 +133,7 @@ def keras_run(model, x, y):
         "mae": history.history["mae"],
         "weights": model.get_weights(),
         "evaluate": model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
-        "predict": model.predict(x, batch_size=GLOBAL_BATCH, verbose=0),
+        "predict": np.asarray(model.predict(x, batch_size=GLOBAL_BATCH, verbose=0), "float32"),  # NumPy cannot save bfloat16
     }
 
 

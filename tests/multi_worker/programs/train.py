@@ -22,8 +22,8 @@ from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    GLOBAL_BATCH, LOOPS, build_embedding_model, build_model, build_own_steps_model, build_sync_bn_model,
-    build_two_output_model, data, dropout_counts, embedding_run, global_batch_sizes, guide_loop, keras_run,
+    GLOBAL_BATCH, LOOPS, build_embedding_model, build_mixed_model, build_model, build_own_steps_model,
+    build_sync_bn_model, build_two_output_model, data, dropout_counts, embedding_run, global_batch_sizes, guide_loop, keras_run,
     reshuffled_run, stopped_run, two_output_run,
 )  # noqa: E402
 
@@ -106,6 +106,10 @@ run_keras("embedding", build_embedding_model, embedding_run)
 # Dict outputs and targets, sample weights, and a "sum" and a "mean_with_sample_weight" loss
 # (on 2 x 1 devices only: the same code path, at a quarter of the JAX compile time of both).
 if strategy.num_replicas_in_sync == 2:
+    # Mixed precision: half-float predictions cross workers (TF's CPU collectives crash on them,
+    # torch cannot read NumPy's bfloat16).
+    for policy in ("mixed_float16", "mixed_bfloat16"):
+        run_keras(policy, functools.partial(build_mixed_model, policy))
     run_keras("outputs", build_two_output_model, two_output_run)
     # A seeded tf.data dataset that reshuffles on every pass: each worker reads each epoch in the
     # order one process reads it (the same number of passes as Keras' own fit).
