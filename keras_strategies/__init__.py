@@ -43,3 +43,4 @@ if _running_the_launcher():
 else:
     from keras_strategies._api import *  # noqa: F401,F403
     from keras_strategies._api import __all__  # noqa: F401
+    from keras_strategies._api import __getattr__  # noqa: F401  (names tf.distribute has and ks does not)

@@ -6,6 +6,8 @@ code that never enters a strategy scope.
 
 from keras_strategies import batch_norm as _batch_norm
 from keras_strategies import cluster_resolver
+from keras_strategies import experimental
+from keras_strategies import _missing
 from keras_strategies.multi_worker import chief_only as _chief_only
 from keras_strategies import devices as _devices
 from keras_strategies import loss_scaling as _loss_scaling
@@ -37,6 +39,7 @@ from keras_strategies.input.context import (
     ValueContext,
 )
 from keras_strategies.gradients import function, value_and_grad
+from keras_strategies.input.distributed_dataset import DistributedDataset, DistributedIterator
 from keras_strategies.losses import compute_average_loss, scale_regularization_loss
 from keras_strategies.mirrored import MirroredStrategy
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
@@ -63,6 +66,8 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedIterator",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
     "MirroredStrategy",
@@ -84,6 +89,7 @@ __all__ = [
     "ValueContext",
     "cluster_resolver",
     "compute_average_loss",
+    "experimental",
     "experimental_set_strategy",
     "function",
     "get_replica_context",
@@ -95,3 +101,7 @@ __all__ = [
     "set_virtual_cpu_devices",
     "value_and_grad",
 ]
+
+
+def __getattr__(name: str):
+    raise _missing.attribute_error("keras_strategies", f"tf.distribute.{name}", name)

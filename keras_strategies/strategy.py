@@ -414,9 +414,9 @@ class Strategy:
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Splits each global batch of `dataset` across the replicas (see `input/distributed_dataset.py`)."""
-        from keras_strategies.input.distributed_dataset import DistributedDataset
+        from keras_strategies.input.distributed_dataset import GlobalBatchDataset
 
-        return DistributedDataset(self, dataset, options)
+        return GlobalBatchDataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
         """Calls `dataset_fn(InputContext)`; its per-replica batches go to the replicas in turn."""

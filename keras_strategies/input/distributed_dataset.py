@@ -85,7 +85,13 @@ class DistributedIterator:
             return OptionalValue()
 
 
-class _Distributed:
+class DistributedDataset:
+    """What `experimental_distribute_dataset` and `distribute_datasets_from_function` return.
+
+    As `tf.distribute.DistributedDataset`: iterate it (`for`, `iter`) for one
+    distributed value per step, each leaf a `PerReplica` with every replica's part.
+    """
+
     def __init__(self, strategy: Any, options: Optional[InputOptions]):
         self._strategy = strategy
         self._options = options or InputOptions()
@@ -131,7 +137,7 @@ class _Distributed:
         return state
 
 
-class DistributedDataset(_Distributed):
+class GlobalBatchDataset(DistributedDataset):
     """`strategy.experimental_distribute_dataset(dataset)`: global batches split across replicas."""
 
     def __init__(self, strategy: Any, dataset: Any, options: Optional[InputOptions] = None):
@@ -160,7 +166,7 @@ class DistributedDataset(_Distributed):
         return DistributedIterator(next_step)
 
 
-class DistributedDatasetsFromFunction(_Distributed):
+class DistributedDatasetsFromFunction(DistributedDataset):
     """`strategy.distribute_datasets_from_function(fn)`: each replica takes the next per-replica batch."""
 
     def __init__(self, strategy: Any, dataset_fn: Callable[[InputContext], Any], options: Optional[InputOptions] = None):

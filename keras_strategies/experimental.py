@@ -1,0 +1,32 @@
+"""`ks.experimental`: the names of `tf.distribute.experimental` that this package provides.
+
+TensorFlow's multi-worker guide spells the communication options
+`tf.distribute.experimental.CommunicationOptions(implementation=
+tf.distribute.experimental.CommunicationImplementation.RING)`; with
+`s/tf.distribute/ks/` that must keep working. The names TensorFlow keeps here
+for compatibility (`CollectiveCommunication`, the experimental
+`MultiWorkerMirroredStrategy`) are the same objects as the stable ones, as in
+TensorFlow. Strategies and tools this package does not provide raise an
+`AttributeError` that says so.
+"""
+
+from __future__ import annotations
+
+from keras_strategies import _missing
+from keras_strategies.input.context import ValueContext
+from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
+from keras_strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+
+CollectiveCommunication = CommunicationImplementation  # TF's older name for the same enum
+
+__all__ = [
+    "CollectiveCommunication",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "MultiWorkerMirroredStrategy",
+    "ValueContext",
+]
+
+
+def __getattr__(name: str):
+    raise _missing.attribute_error("keras_strategies.experimental", f"tf.distribute.experimental.{name}", name)
