@@ -49,6 +49,10 @@ def default_compute_devices() -> list[str]:
 
 def resolve_devices(devices: Iterable[str]) -> list[str]:
     """Canonical names for `devices`, checked against the devices this process has."""
+    if isinstance(devices, str):
+        raise ValueError(
+            f"`devices` must be a list of device names, e.g. [{devices!r}]; got the string {devices!r}."
+        )
     names = [canonical_device(d) for d in devices]
     if not names:
         raise ValueError("`devices` must name at least one device, e.g. ['cpu:0'].")

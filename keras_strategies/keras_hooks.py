@@ -61,9 +61,29 @@ def _wrap_compile(original: Callable) -> Callable:
     return compile
 
 
+def _check_call_site(name: str, model: Any) -> None:
+    """Clear errors for the two ways to call a Keras method where it cannot work under a strategy."""
+    if not context.has_strategy():
+        return
+    replica_context = context.get_replica_context()
+    if replica_context is not None and not getattr(replica_context, "_runs_keras_method", False):
+        raise RuntimeError(
+            f"`Model.{name}` cannot be called inside `strategy.run` (in a replica context): call it "
+            "outside `strategy.run`, where it splits each batch across the replicas itself."
+        )
+    if strategy_of(model) is None and name in ("fit", "train_on_batch"):
+        raise ValueError(
+            f"This model was built and compiled outside any strategy scope, but `{name}` is called "
+            f"inside the scope of {context.get_strategy()!r}: its variables are not distributed. "
+            "Create and compile the model inside `with strategy.scope():` (then call `fit` inside or "
+            f"outside it), or call `{name}` outside the scope to train on one device."
+        )
+
+
 def _wrap_method(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
+        _check_call_site(name, self)
         strategy = strategy_of(self)
         if strategy is None:
             return original(self, *args, **kwargs)

@@ -37,6 +37,8 @@ def test_bad_device_lists():
         resolve_devices(["cpu:0", "/cpu:0"])
     with pytest.raises(ValueError, match="at least one device"):
         resolve_devices([])
+    with pytest.raises(ValueError, match=r"must be a list of device names, e.g. \['cpu:0'\]; got the string"):
+        ks.MirroredStrategy("cpu:0")  # not the characters 'c', 'p', ...
     with pytest.raises(ValueError, match=r"Unknown device\(s\) \['cpu:9'\].*set_virtual_cpu_devices"):
         resolve_devices(["cpu:9"])
 

@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import pytest
 
 import keras_strategies as ks
 from keras_strategies.keras_hooks import KERAS_METHODS, strategy_of
@@ -48,6 +49,35 @@ def test_a_model_compiled_under_another_strategy_is_refused():
             assert "created under" in str(error)
         else:
             raise AssertionError("compiling under another strategy must raise ValueError")
+
+
+def test_training_a_model_from_outside_every_scope_inside_a_scope_is_refused_clearly():
+    x, y = np.ones((4, 1), "float32"), np.ones((4, 1), "float32")
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    with ks.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        for train in (lambda: model.fit(x, y, verbose=0), lambda: model.train_on_batch(x, y)):
+            with pytest.raises(ValueError, match="built and compiled outside any strategy scope.*inside `with strategy.scope"):
+                train()
+        np.testing.assert_allclose(model.evaluate(x, y, verbose=0), model.test_on_batch(x, y))  # no update: allowed
+    assert len(model.fit(x, y, verbose=0).history["loss"]) == 1  # outside the scope: on one device
+
+
+def test_keras_methods_inside_strategy_run_are_refused_clearly():
+    x = np.ones((4, 1), "float32")
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer="sgd")
+    for call in (lambda: model.fit(x, x, verbose=0), lambda: model.predict(x, verbose=0), lambda: model.evaluate(x, x)):
+        with pytest.raises(RuntimeError, match="cannot be called inside `strategy.run`"):
+            strategy.run(call)
+    one_device = ks.OneDeviceStrategy("cpu:0")
+    with one_device.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer="sgd")
+    # Keras' own fit (one replica) calls evaluate for the validation data: allowed.
+    assert "val_loss" in model.fit(x, x, validation_data=(x, x), verbose=0).history
 
 
 def test_saved_models_load_compiled(tmp_path):
