@@ -139,9 +139,13 @@ class ReplicaContext:
         row_mask: Any = None,
         in_program: bool = False,
         gradient_weight: Optional[float] = None,
+        runs_keras_method: bool = False,
     ):
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
+        # Set by one-replica strategies, which run Keras' own `fit` in a replica context: Keras
+        # methods called there (`evaluate` for the validation data) are not inside `strategy.run`.
+        self._runs_keras_method = runs_keras_method
         # Set by multi-replica steps: which rows of the replica's (padded) shard are real,
         # whether the replicas run together so that collectives can rendezvous, and (for a
         # custom `train_step`) the replica's share of the global batch, by which the

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from keras import ops
 
+from keras_strategies import partition
 from keras_strategies.backend import engine
 from keras_strategies.devices import canonical_device
 from keras_strategies.reduce_op import ReduceOp
@@ -107,17 +108,13 @@ class _PackedAllReduce(CrossDeviceOps):
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         if self.num_packs == 0 or len(value_destination_pairs) < 2:
             return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
-        sliced = [i for i, (value, _) in enumerate(value_destination_pairs)
-                  if any(engine.gradients.is_sliced(c) for c in _components(value))]
-        if sliced:  # slices (TF's IndexedSlices) are reduced alone: packing would make them dense
-            results: list = [None] * len(value_destination_pairs)
-            dense = [i for i in range(len(value_destination_pairs)) if i not in sliced]
-            for i in sliced:
-                results[i] = self.reduce_implementation(reduce_op, *value_destination_pairs[i], options)
-            packed = self.batch_reduce_implementation(reduce_op, [value_destination_pairs[i] for i in dense], options)
-            for i, value in zip(dense, packed):
-                results[i] = value
-            return results
+        sliced = lambda pair: any(engine.gradients.is_sliced(c) for c in _components(pair[0]))  # noqa: E731
+        if any(map(sliced, value_destination_pairs)):  # slices (TF's IndexedSlices) alone: a pack would make them dense
+            return partition.apply_partitioned(
+                value_destination_pairs, sliced,
+                lambda pairs: [self.reduce_implementation(reduce_op, v, d, options) for v, d in pairs],
+                lambda pairs: self.batch_reduce_implementation(reduce_op, pairs, options),
+            )
         device = _destination(value_destination_pairs[0][1])
         per_replica = [[ops.convert_to_tensor(c) for c in _components(v)] for v, _ in value_destination_pairs]
         num_replicas = len(per_replica[0])

@@ -66,7 +66,7 @@ def _check_call_site(name: str, model: Any) -> None:
     if not context.has_strategy():
         return
     replica_context = context.get_replica_context()
-    if replica_context is not None and not getattr(replica_context, "_runs_keras_method", False):
+    if replica_context is not None and not replica_context._runs_keras_method:
         raise RuntimeError(
             f"`Model.{name}` cannot be called inside `strategy.run` (in a replica context): call it "
             "outside `strategy.run`, where it splits each batch across the replicas itself."

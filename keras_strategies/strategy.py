@@ -271,8 +271,7 @@ class StrategyExtended:
         """
         if self.num_replicas_in_sync != 1:
             raise NotImplementedError(f"{type(self).__name__} cannot run Keras `{name}` yet.")
-        replica_context = context.ReplicaContext(self._container, 0)
-        replica_context._runs_keras_method = True  # not the user's `strategy.run` (`keras_hooks`)
+        replica_context = context.ReplicaContext(self._container, 0, runs_keras_method=True)
         with self._container.scope(), context.enter_frame(self._container, replica_context):
             with engine.devices.device_scope(self._devices[0]):
                 return method(model, *args, **kwargs)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
+from keras_strategies import partition
 from keras_strategies.multi_worker import packing
 
 _state: dict = {}
@@ -180,23 +181,20 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     each slice). Works eagerly (through a compiled program per signature, so the
     tensors are packed) and inside a `tf.function` (e.g. a `merge_call` of a compiled custom step).
     """
-    outputs: list = [None] * len(values)
     with tf.device(_state["device"]):
-        dense = []
-        for i, value in enumerate(values):
-            if isinstance(value, tf.IndexedSlices):
-                outputs[i] = _state["launcher"].all_reduce_indexed_slices(value)
-            else:
-                dense.append(i)
-        tensors = [tf.convert_to_tensor(values[i]) for i in dense]
-        dtypes = [t.dtype for t in tensors]
-        # TF's CPU collectives crash the process on half floats: they travel as float32 (exact).
-        tensors = [tf.cast(t, tf.float32) if t.dtype in _HALF_FLOATS else t for t in tensors]
-        if tensors:
-            summed = _eager_program(tensors)(tensors) if tf.executing_eagerly() else _packed_all_reduce(tensors)
-            for i, value, dtype in zip(dense, summed, dtypes):
-                outputs[i] = value if value.dtype == dtype else tf.cast(value, dtype)
-    return outputs
+        return partition.apply_partitioned(
+            values, lambda value: isinstance(value, tf.IndexedSlices),
+            lambda slices: [_state["launcher"].all_reduce_indexed_slices(s) for s in slices], _all_reduce_dense,
+        )
+
+
+def _all_reduce_dense(values: list) -> list:
+    tensors = [tf.convert_to_tensor(v) for v in values]
+    dtypes = [t.dtype for t in tensors]
+    # TF's CPU collectives crash the process on half floats: they travel as float32 (exact).
+    tensors = [tf.cast(t, tf.float32) if t.dtype in _HALF_FLOATS else t for t in tensors]
+    summed = _eager_program(tensors)(tensors) if tf.executing_eagerly() else _packed_all_reduce(tensors)
+    return [value if value.dtype == dtype else tf.cast(value, dtype) for value, dtype in zip(summed, dtypes)]
 
 
 def kv_set(key: str, value: str) -> None:

@@ -13,6 +13,8 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 from keras.src import tree
 
+from keras_strategies import partition
+
 # tf.distribute accepts per-replica values of different shapes.
 EQUAL_SHARDS = False
 # Keras synchronises BatchNormalization natively only on TensorFlow.
@@ -58,16 +60,12 @@ def global_sum(values: list, across_workers: Callable[[list], list], over_all_re
     gradients already: they are summed as they are, without a rule, and come
     back as `IndexedSlices` holding every replica's slices, as in TF.
     """
-    sparse = [i for i, v in enumerate(values) if isinstance(v, tf.IndexedSlices)]
-    if sparse:
-        dense = [i for i in range(len(values)) if i not in sparse]
-        outputs: list = [None] * len(values)
-        slices = [values[i] for i in sparse]
-        summed = over_all_replicas(slices) if tf.executing_eagerly() else across_workers(all_reduce_sum(slices))
-        summed += global_sum([values[i] for i in dense], across_workers, over_all_replicas) if dense else []
-        for i, value in zip(sparse + dense, summed):
-            outputs[i] = value
-        return outputs
+    if any(isinstance(v, tf.IndexedSlices) for v in values):
+        return partition.apply_partitioned(
+            values, lambda v: isinstance(v, tf.IndexedSlices),
+            lambda slices: over_all_replicas(slices) if tf.executing_eagerly() else across_workers(all_reduce_sum(slices)),
+            lambda dense: global_sum(dense, across_workers, over_all_replicas),
+        )
     tensors = [tf.convert_to_tensor(v) for v in values]
     if tf.executing_eagerly():
         return _with_sum_gradient(over_all_replicas, tensors)
