@@ -15,6 +15,7 @@ from keras_strategies import loss_reduction as _loss_reduction
 from keras_strategies import optimizer_hooks as _optimizer_hooks
 from keras_strategies import replica_seeds as _replica_seeds
 from keras_strategies import keras_hooks as _keras_hooks
+from keras_strategies.backend import engine
 from keras_strategies.cross_device_ops import (
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -60,6 +61,7 @@ _loss_scaling.install()
 _loss_reduction.install()
 _chief_only.install()
 _replica_seeds.install()
+engine.trainer.install()
 
 __all__ = [
     "ClusterSpec",

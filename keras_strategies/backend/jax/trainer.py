@@ -50,3 +50,7 @@ def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
 def build_batch(batches: Callable[[], Iterable]) -> Optional[Any]:
     """None: Keras' own JAX trainer reads the first batch to build the model before `fit`, and so do we."""
     return None
+
+
+def install() -> None:
+    """Keras hooks this engine needs: none (torch's wraps `TorchModuleWrapper`)."""

@@ -36,3 +36,7 @@ def build_batch(batches: Callable[[], Iterable]) -> Optional[Any]:
     shifts every epoch's order against training without a strategy.
     """
     return batches().element_spec
+
+
+def install() -> None:
+    """Keras hooks this engine needs: none (torch's wraps `TorchModuleWrapper`)."""
