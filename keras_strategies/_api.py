@@ -104,6 +104,4 @@ __all__ = [
     "value_and_grad",
 ]
 
-
-def __getattr__(name: str):
-    raise _missing.attribute_error("keras_strategies", f"tf.distribute.{name}", name)
+__getattr__ = _missing.module_getattr("keras_strategies", "tf.distribute")

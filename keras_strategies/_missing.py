@@ -6,6 +6,8 @@ has no counterpart here, not meet a bare "has no attribute".
 
 from __future__ import annotations
 
+from typing import Callable
+
 NOT_PROVIDED = {
     "CentralStorageStrategy": "a strategy",
     "ParameterServerStrategy": "a strategy",
@@ -32,3 +34,12 @@ def attribute_error(module: str, tf_name: str, name: str) -> AttributeError:
         f"keras-strategies does not provide {tf_name} ({what}). It provides {PROVIDED}, with the "
         "tf.distribute API on every Keras backend."
     )
+
+
+def module_getattr(module: str, tf_module: str) -> Callable[[str], None]:
+    """A module's `__getattr__`: the error of `attribute_error` for `module.<name>`."""
+
+    def __getattr__(name: str) -> None:
+        raise attribute_error(module, f"{tf_module}.{name}", name)
+
+    return __getattr__

@@ -27,6 +27,4 @@ __all__ = [
     "ValueContext",
 ]
 
-
-def __getattr__(name: str):
-    raise _missing.attribute_error("keras_strategies.experimental", f"tf.distribute.experimental.{name}", name)
+__getattr__ = _missing.module_getattr("keras_strategies.experimental", "tf.distribute.experimental")

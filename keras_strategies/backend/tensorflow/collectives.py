@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import tensorflow as tf
 
 from keras_strategies import partition
+from keras_strategies.backend.tensorflow import gradients
 from keras_strategies.multi_worker import packing
 
 _state: dict = {}
@@ -183,7 +184,7 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     """
     with tf.device(_state["device"]):
         return partition.apply_partitioned(
-            values, lambda value: isinstance(value, tf.IndexedSlices),
+            values, gradients.is_sliced,
             lambda slices: [_state["launcher"].all_reduce_indexed_slices(s) for s in slices], _all_reduce_dense,
         )
 

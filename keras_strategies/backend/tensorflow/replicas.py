@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras.src import tree
 
 from keras_strategies import partition
+from keras_strategies.backend.tensorflow import gradients
 
 # tf.distribute accepts per-replica values of different shapes.
 EQUAL_SHARDS = False
@@ -60,9 +61,9 @@ def global_sum(values: list, across_workers: Callable[[list], list], over_all_re
     gradients already: they are summed as they are, without a rule, and come
     back as `IndexedSlices` holding every replica's slices, as in TF.
     """
-    if any(isinstance(v, tf.IndexedSlices) for v in values):
+    if any(map(gradients.is_sliced, values)):
         return partition.apply_partitioned(
-            values, lambda v: isinstance(v, tf.IndexedSlices),
+            values, gradients.is_sliced,
             lambda slices: over_all_replicas(slices) if tf.executing_eagerly() else across_workers(all_reduce_sum(slices)),
             lambda dense: global_sum(dense, across_workers, over_all_replicas),
         )
