@@ -1,5 +1,7 @@
 """Models overriding `train_step` / `test_step` / `predict_step` under MirroredStrategy (the documented contract)."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -11,7 +13,9 @@ from test_loops import (  # noqa: E402
     assert_same_fit,
     assert_same_training,
     batch_norm_model,
+    embedding_model,
     regression_data,
+    token_data,
 )
 
 
@@ -115,13 +119,5 @@ class OwnStepEmbedding(keras.Sequential):
 
 def test_an_embedding_in_a_custom_train_step_trains_exactly_like_one_device():
     # TensorFlow: the replicas' IndexedSlices gradients are weighted by their shares as slices.
-    def build_embedding():
-        model = OwnStepEmbedding([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
-                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
-        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      optimizer=keras.optimizers.Adam(0.05), metrics=["accuracy"])
-        return model
-
-    rng = np.random.default_rng(3)
-    tokens = rng.integers(0, 20, size=(11, 6)).astype("int32")
-    assert_same_fit(build_embedding, tokens, rng.integers(0, 3, size=(11,)), batch_size=4, replicas=3)
+    build = functools.partial(embedding_model, OwnStepEmbedding)
+    assert_same_fit(build, *token_data(11), batch_size=4, replicas=3)

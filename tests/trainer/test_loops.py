@@ -97,8 +97,13 @@ def test_conv_fit_with_adam_and_accuracy_equals_one_device(replicas):
     assert_same_training(conv_model, *image_data(10), batch_size=4, replicas=replicas)
 
 
-def embedding_model():
-    model = keras.Sequential([
+def token_data(n):
+    rng = np.random.default_rng(3)
+    return rng.integers(0, 20, size=(n, 6)).astype("int32"), rng.integers(0, 3, size=(n,))  # batches repeat tokens
+
+
+def embedding_model(model_class=keras.Sequential):
+    model = model_class([
         keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4), keras.layers.GlobalAveragePooling1D(),
         keras.layers.Dense(3),
     ])
@@ -116,9 +121,7 @@ def embedding_model():
 def test_an_embedding_trained_with_adam_equals_one_device(replicas, cross_device_ops):
     """On TensorFlow the Embedding's gradient is an IndexedSlices, which Keras' Adam squares slice by slice:
     the replicas' slices must reach it as slices (concatenated), not as their dense sum."""
-    rng = np.random.default_rng(3)
-    tokens = rng.integers(0, 20, size=(11, 6)).astype("int32")  # batches repeat tokens
-    assert_same_training(embedding_model, tokens, rng.integers(0, 3, size=(11,)), batch_size=4, replicas=replicas,
+    assert_same_training(embedding_model, *token_data(11), batch_size=4, replicas=replicas,
                          cross_device_ops=cross_device_ops)
 
 
