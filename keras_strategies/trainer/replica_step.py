@@ -299,7 +299,8 @@ class ReplicaStep:
             self._compiled_metrics = compile_fn(self._metrics_update, model.metrics_variables)
         with engine.devices.device_scope(self.devices[0]):
             batch = ops.convert_to_tensor(float(shards.batch), "float32")
-            return self._compiled_metrics(loss, batch, shards.x, shards.y, predictions, shards.sample_weight)
+            x, y, sample_weight = as_tensors((shards.x, shards.y, shards.sample_weight))  # user metrics may mix them with tensors
+            return self._compiled_metrics(loss, batch, x, y, predictions, sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
     def _shards(self, data: Any, with_targets: bool) -> Shards:

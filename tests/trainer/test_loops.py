@@ -298,3 +298,29 @@ def test_every_cross_device_ops_trains_like_one_device(make_ops):
         np.testing.assert_allclose(got, expected, **TOL)
     if isinstance(cross_device_ops, CountingReduction):
         assert cross_device_ops.calls > 0
+
+
+class AbsoluteErrorSum(keras.metrics.Metric):
+    """A metric whose update subtracts its arguments with `-`, as user metrics often do."""
+
+    def __init__(self, **kwargs):
+        super().__init__(name="absolute_error_sum", **kwargs)
+        self.total = self.add_variable((), initializer="zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(keras.ops.sum(keras.ops.abs(y_true - y_pred)))
+
+    def result(self):
+        return keras.ops.convert_to_tensor(self.total)
+
+
+def test_a_metric_gets_tensors_not_numpy_arrays():
+    # Shards are cut as NumPy arrays; on PyTorch `y_true - y_pred` failed for an unshuffled `fit`
+    # and for `evaluate` (NumPy array minus torch tensor).
+    def build():
+        model = dense_model()
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05), metrics=[AbsoluteErrorSum()])
+        return model
+
+    x, y = regression_data(10)
+    assert_same_training(build, x, y, batch_size=4, replicas=3)
