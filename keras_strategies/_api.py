@@ -12,6 +12,7 @@ from keras_strategies.multi_worker import chief_only as _chief_only
 from keras_strategies import devices as _devices
 from keras_strategies import loss_scaling as _loss_scaling
 from keras_strategies import loss_reduction as _loss_reduction
+from keras_strategies import metric_weighting as _metric_weighting
 from keras_strategies import optimizer_hooks as _optimizer_hooks
 from keras_strategies import replica_seeds as _replica_seeds
 from keras_strategies import keras_hooks as _keras_hooks
@@ -59,6 +60,7 @@ _batch_norm.install()
 _optimizer_hooks.install()
 _loss_scaling.install()
 _loss_reduction.install()
+_metric_weighting.install()
 _chief_only.install()
 _replica_seeds.install()
 engine.trainer.install()

@@ -157,6 +157,9 @@ class ReplicaContext:
         # global batch, and the row mask when it is handed to the loss as the sample weight.
         self._loss_share = None
         self._padding_weight = None
+        # Set in a model's own step on replicas (`metric_weighting.py`): the replica's share of
+        # the global batch, by which a scalar update of a `Mean` metric counts.
+        self._metric_share = None
 
     @property
     def strategy(self) -> "Strategy":

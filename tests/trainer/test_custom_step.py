@@ -121,3 +121,57 @@ def test_an_embedding_in_a_custom_train_step_trains_exactly_like_one_device():
     # TensorFlow: the replicas' IndexedSlices gradients are weighted by their shares as slices.
     build = functools.partial(embedding_model, OwnStepEmbedding)
     assert_same_fit(build, *token_data(11), batch_size=4, replicas=3)
+
+
+def mean_error(y_true, y_pred):
+    """A metric function that returns the batch's mean (a scalar), not one value per sample."""
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred))
+
+
+class GuideTestStep(keras.Model):
+    """`test_step` as Keras' guide "Customizing what happens in fit()" writes it (the JAX form takes
+    and returns the state): the loss tracker gets `update_state(loss)`, a scalar without weights."""
+
+    def test_step(self, *args):
+        if len(args) == 2:  # JAX
+            (trainable, non_trainable, metrics_variables), (x, y) = args
+            y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x, training=False)
+        else:
+            (x, y), metrics_variables = args[0], None
+            y_pred = self(x, training=False)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        new_variables, logs = [], {}
+        for metric in self.metrics:
+            arguments = (loss,) if metric.name == "loss" else (y, y_pred)
+            if metrics_variables is None:
+                metric.update_state(*arguments)
+                logs[metric.name] = metric.result()
+                continue
+            own = metrics_variables[len(new_variables):len(new_variables) + len(metric.variables)]
+            own = metric.stateless_update_state(own, *arguments)
+            logs[metric.name] = metric.stateless_result(own)
+            new_variables += own
+        if metrics_variables is None:
+            return logs
+        return logs, (trainable, non_trainable, new_variables)
+
+
+@pytest.mark.parametrize("replicas, batch_size", [(3, 4), (4, 4), (2, 3)])
+def test_a_guide_style_test_step_logs_the_loss_of_one_device(replicas, batch_size):
+    # Each replica's `update_state(loss)` (and the scalar of `mean_error`) counts with its shard's
+    # share: shards [2, 1, 1] then [1, 1, 0] (3 replicas), or batches whose last one leaves
+    # replicas idle. Counted once per replica, the loss was the unweighted mean of the replicas'
+    # means and a batch weighed as much as its replicas with rows.
+    def build():
+        inputs = keras.Input((3,))
+        model = GuideTestStep(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05), metrics=["mae", mean_error])
+        return model
+
+    x, y = regression_data(10)
+    model, reference = assert_same_fit(build, x, y, batch_size=batch_size, replicas=replicas, validation_data=(x, y))
+    expected = reference.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+    got = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+    assert got.keys() == expected.keys() == {"loss", "mae", "mean_error"}
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], err_msg=key, **TOL)
