@@ -4,12 +4,15 @@
 the last to 4) and a last batch of one row (two replicas run a padding row).
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
 from keras import ops
 
 import keras_strategies as ks
+from keras_strategies.backend import engine
 from trainer.test_loops import assert_same_fit
 
 N, BATCH, REPLICAS = 23, 11, 3
@@ -235,3 +238,42 @@ def test_a_models_own_steps_get_the_same_exact_reductions():
         model.evaluate(data["x"], targets, batch_size=BATCH, verbose=0, sample_weight=data["weights"]),
         reference.evaluate(data["x"], targets, batch_size=BATCH, verbose=0, sample_weight=data["weights"]),
         rtol=1e-5, atol=1e-5)
+
+
+SCALAR_WARNING = "A loss function returned one value for the whole batch"
+
+
+def _scalar_mse(y_true, y_pred):
+    """A loss function that averages over the batch itself (returns a scalar)."""
+    return ops.mean(ops.square(y_true - y_pred))
+
+
+def _scalar_loss_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_scalar_mse)
+    return model
+
+
+def test_a_loss_returning_a_scalar_trains_like_one_device_on_even_shards():
+    data = _data()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=SCALAR_WARNING)  # even shards: nothing padded, no warning
+        assert_same_fit(_scalar_loss_model, data["x"][:18], data["y"][:18], batch_size=6, replicas=REPLICAS)
+
+
+def test_a_loss_returning_a_scalar_on_uneven_shards():
+    # Where shards have their own sizes (TensorFlow, PyTorch) a scalar loss of each shard, weighted
+    # by the shard's share, is exact. Padded to equal shapes (JAX), the padding rows cannot be left
+    # out of a scalar: a warning says so and how to write the loss.
+    data = _data()
+    if not engine.replicas.EQUAL_SHARDS:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=SCALAR_WARNING)
+            assert_same_fit(_scalar_loss_model, data["x"], data["y"], batch_size=BATCH, replicas=REPLICAS)
+        return
+    strategy = ks.MirroredStrategy([f"cpu:{i}" for i in range(REPLICAS)])
+    with strategy.scope():
+        model = _scalar_loss_model()
+    with pytest.warns(UserWarning, match=SCALAR_WARNING):
+        history = model.fit(data["x"], data["y"], batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
