@@ -37,7 +37,14 @@ def _match_weight_rank(losses, weights):
     if weight_rank - loss_rank == 1 and weights.shape[-1] == 1:
         return ops.squeeze(weights, axis=-1)
     if loss_rank - weight_rank == 1:
-        return ops.expand_dims(weights, axis=-1)
+        weights = ops.expand_dims(weights, axis=-1)
+    try:  # static shapes only: a traced unknown dimension is left to the backend
+        np.broadcast_shapes(*(tuple(1 if d is None else d for d in t.shape) for t in (losses, weights)))
+    except ValueError:
+        raise ValueError(
+            f"sample_weight of shape {tuple(weights.shape)} does not match per_example_loss of shape "
+            f"{tuple(losses.shape)}: give one weight per example (or a scalar)."
+        ) from None
     return weights
 
 

@@ -43,6 +43,13 @@ def test_sample_weight_of_shape_batch_by_one_applies_per_example():
     assert as_float(ks.compute_average_loss(losses[:, None], sample_weight=weights[:, 0])) == pytest.approx(1.0)
 
 
+def test_sample_weights_that_do_not_fit_the_losses_are_refused_with_both_shapes():
+    with pytest.raises(ValueError, match=r"sample_weight of shape \(3,\) does not match per_example_loss of shape \(4,\)"):
+        ks.compute_average_loss(np.ones((4,), "float32"), sample_weight=np.ones((3,), "float32"), global_batch_size=4)
+    scalar = ks.compute_average_loss(np.ones((4, 2), "float32"), sample_weight=2.0, global_batch_size=4)
+    assert as_float(scalar) == pytest.approx(4.0)
+
+
 def test_backend_tensors_are_accepted_and_dtype_is_kept():
     losses = ops.convert_to_tensor(np.array([1.0, 2.0], "float32"))
     result = ks.compute_average_loss(losses, global_batch_size=ops.convert_to_tensor(4))

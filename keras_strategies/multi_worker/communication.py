@@ -45,15 +45,13 @@ class CommunicationOptions:
             isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0
         ):
             raise ValueError(f"timeout_seconds must be a positive number or None, got {timeout_seconds!r}.")
+        given = implementation
         if isinstance(implementation, str):
-            try:
-                implementation = CommunicationImplementation[implementation.upper()]
-            except KeyError:
-                implementation = None
+            implementation = CommunicationImplementation.__members__.get(implementation.upper())
         if not isinstance(implementation, CommunicationImplementation):
             raise ValueError(
                 "implementation must be a ks.CommunicationImplementation (AUTO, RING or NCCL), "
-                f"got {implementation!r}."
+                f"got {given!r}."
             )
         self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = timeout_seconds

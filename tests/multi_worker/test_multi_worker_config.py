@@ -30,7 +30,7 @@ def test_communication_options_defaults_and_validation():
         ks.CommunicationOptions(bytes_per_pack=-1)
     with pytest.raises(ValueError, match="timeout_seconds must be a positive number"):
         ks.CommunicationOptions(timeout_seconds=0)
-    with pytest.raises(ValueError, match="AUTO, RING or NCCL"):
+    with pytest.raises(ValueError, match="AUTO, RING or NCCL\\), got 'mpi'"):  # the value given, not None
         ks.CommunicationOptions(implementation="mpi")
     with pytest.raises(ValueError, match="communication_options must be a ks.CommunicationOptions"):
         ks.MultiWorkerMirroredStrategy(communication_options={"timeout_seconds": 5})
