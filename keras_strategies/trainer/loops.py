@@ -81,9 +81,25 @@ class _TrainingIterator(EpochIterator):
         """Builds the model as the backend's own `fit` would: from a spec (TensorFlow) or the first batch."""
         batch = engine.trainer.build_batch(self._batches) if self._batches is not None else None
         if batch is not None:
-            model._symbolic_build(data_batch=batch)
+            _symbolic_build(model, "train", data_batch=batch)
         else:
-            model._symbolic_build(iterator=self)
+            _symbolic_build(model, "train", iterator=self)
+
+
+def _symbolic_build(model: Any, kind: str, **batch: Any) -> None:
+    """Builds the model's state from a batch's shapes, as Keras' trainers do before a loop.
+
+    A model with its own step and no forward pass (a GAN that holds its
+    generator and discriminator) cannot be built that way. Keras' own
+    TensorFlow trainer does not try (it builds when the step is first traced),
+    so where Keras defers (`engine.trainer.DEFERS_BUILD`) such a model runs
+    its step unbuilt, as it does without a strategy.
+    """
+    try:
+        model._symbolic_build(**batch)
+    except RuntimeError:
+        if not (engine.trainer.DEFERS_BUILD and overrides_step(model, kind)):
+            raise
 
 
 def _per_worker_input(strategy: Any, x: Any) -> bool:
@@ -200,7 +216,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
         shuffle=False, steps_per_execution=model.steps_per_execution,
     )
-    model._symbolic_build(iterator=epoch_iterator)
+    _symbolic_build(model, "test", iterator=epoch_iterator)
     strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
     callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches)
@@ -273,7 +289,7 @@ def train_on_batch(model, strategy, x, y=None, sample_weight=None, class_weight=
             )
         sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
     data = (x, y, sample_weight)
-    model._symbolic_build(data_batch=data)
+    _symbolic_build(model, "train", data_batch=data)
     strategy.extended._sync_variables_from_chief()
     model.reset_metrics()
     logs = pythonify_logs(replica_step(model, strategy).train_step(data))
@@ -283,7 +299,7 @@ def train_on_batch(model, strategy, x, y=None, sample_weight=None, class_weight=
 def test_on_batch(model, strategy, x, y=None, sample_weight=None, return_dict=False):
     model._assert_compile_called("test_on_batch")
     data = (x, y, sample_weight)
-    model._symbolic_build(data_batch=data)
+    _symbolic_build(model, "test", data_batch=data)
     strategy.extended._sync_variables_from_chief()
     model.reset_metrics()
     logs = pythonify_logs(replica_step(model, strategy).test_step(data))

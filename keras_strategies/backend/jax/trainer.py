@@ -8,6 +8,8 @@ from keras_strategies.backend.jax.devices import copy_to
 
 # The step returns new states, combined by `CustomStep._combine_states`.
 STATEFUL_STEPS = False
+# Keras' own JAX trainer builds a model from the first batch before `fit`; one it cannot build fails.
+DEFERS_BUILD = False
 
 # Per step kind: the model's state as Keras' JAX trainer passes it, with how each
 # part is combined across replicas ("first": identical everywhere, "mean", "delta_sum").

@@ -6,6 +6,8 @@ from typing import Any, Callable, Iterable, Optional
 
 # The step writes the model's variables itself (see `keras_strategies.replica_variables`).
 STATEFUL_STEPS = True
+# Keras' own TensorFlow trainer builds a model when its step is first traced, not before `fit`.
+DEFERS_BUILD = True
 
 
 def state_parts(model: Any, kind: str) -> list:

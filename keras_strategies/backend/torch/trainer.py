@@ -13,6 +13,8 @@ from keras_strategies import context
 
 # The step writes the model's variables itself (see `keras_strategies.replica_variables`).
 STATEFUL_STEPS = True
+# Keras' own PyTorch trainer builds a model from the first batch before `fit`; one it cannot build fails.
+DEFERS_BUILD = False
 
 
 def state_parts(model: Any, kind: str) -> list:
