@@ -194,6 +194,7 @@ class ReplicaStep:
         count = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
         regularization = losses[len(losses) - count:] if count else []
         penalty = functools.reduce(ops.add, [model._aggregate_additional_loss(l) for l in regularization]) if regularization else 0.0
+        weights = ops.cast(weights, keras_backend.standardize_dtype(total.dtype))  # a float64 model's loss too
         objective = (total - penalty) * weights[0] + penalty * weights[1]
         return objective * weights[2], (objective, (y_pred, _output_masks(y_pred)), new_non_trainable)
 

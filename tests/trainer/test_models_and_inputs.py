@@ -296,6 +296,21 @@ def test_mixed_precision(policy):
         keras.config.set_dtype_policy("float32")
 
 
+def test_a_float64_model_trains_like_one_device():
+    # TensorFlow refused to multiply the float64 loss by the replicas' float32 shares. (JAX
+    # computes in float32 unless `jax_enable_x64` is set, with or without a strategy.)
+    from test_loops import dense_model
+
+    keras.config.set_floatx("float64")
+    try:
+        x, y = (a.astype("float64") for a in regression_data(10))
+        model = assert_same_training(dense_model, x, y, batch_size=4, replicas=3)
+        expected = "float32" if BACKEND == "jax" else "float64"
+        assert {w.dtype for w in model.get_weights()} == {np.dtype(expected)}
+    finally:
+        keras.config.set_floatx("float32")
+
+
 def test_dropout_trains_and_inference_matches_one_device():
     def build():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8), keras.layers.Dropout(0.5), keras.layers.Dense(1)])
