@@ -53,8 +53,8 @@ def replica_step(model: Any, strategy: Any) -> _Steps:
     return step
 
 
-class _TrainingIterator(EpochIterator):
-    """Keras' epoch iterator over the batches that the backend's own `fit` would read.
+class _LoopIterator(EpochIterator):
+    """Keras' epoch iterator over the batches that the backend's own loops would read.
 
     `backend_batches`: the same pipeline as Keras' trainer for this backend
     (`tf.data` on TensorFlow, a `DataLoader` on torch), so that
@@ -64,9 +64,11 @@ class _TrainingIterator(EpochIterator):
     `DataLoader` and ~300 us for eager `tf.data`), and the order every worker
     shares under several workers (seeded from the chief).
 
-    A `tf.data.Dataset` is always read through the backend's pipeline, shuffled or not:
-    Keras makes two iterators per epoch (one when an epoch ends, one when the next begins), and
-    on TensorFlow each one moves a dataset that reshuffles on every iteration to its next order.
+    A `tf.data.Dataset` is always read through the backend's pipeline, shuffled or not, in
+    `fit`, `evaluate` and `predict`: Keras makes two iterators per epoch (one when an epoch
+    ends, one when the next begins), and on TensorFlow each one moves a dataset that reshuffles
+    on every iteration to its next order; and NumPy's iterator cannot carry every element type
+    (strings for a `TextVectorization` layer become object arrays that Keras cannot build from).
     """
 
     def __init__(self, *args: Any, backend_batches: bool, **kwargs: Any):
@@ -77,13 +79,13 @@ class _TrainingIterator(EpochIterator):
     def _get_iterator(self) -> Any:
         return self._batches() if self._batches is not None else super()._get_iterator()
 
-    def build_model(self, model: Any) -> None:
-        """Builds the model as the backend's own `fit` would: from a spec (TensorFlow) or the first batch."""
+    def build_model(self, model: Any, kind: str = "train") -> None:
+        """Builds the model as the backend's own loop would: from a spec (TensorFlow) or the first batch."""
         batch = engine.trainer.build_batch(self._batches) if self._batches is not None else None
         if batch is not None:
-            _symbolic_build(model, "train", data_batch=batch)
+            _symbolic_build(model, kind, data_batch=batch)
         else:
-            _symbolic_build(model, "train", iterator=self)
+            _symbolic_build(model, kind, iterator=self)
 
 
 def _symbolic_build(model: Any, kind: str, **batch: Any) -> None:
@@ -150,7 +152,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     if validation_data is not None:
         val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
 
-    epoch_iterator = _TrainingIterator(
+    epoch_iterator = _LoopIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
         shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
         backend_batches=bool(shuffle) and strategy.extended._num_workers == 1,
@@ -212,11 +214,11 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     kwargs.pop("_use_cached_eval_dataset", None)
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
-    epoch_iterator = EpochIterator(
+    epoch_iterator = _LoopIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
-        shuffle=False, steps_per_execution=model.steps_per_execution,
+        shuffle=False, steps_per_execution=model.steps_per_execution, backend_batches=False,
     )
-    _symbolic_build(model, "test", iterator=epoch_iterator)
+    epoch_iterator.build_model(model, "test")
     strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
     callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches)
@@ -246,9 +248,9 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
 
 
 def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-    epoch_iterator = EpochIterator(
+    epoch_iterator = _LoopIterator(
         x=x, batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
-        steps_per_execution=model.steps_per_execution,
+        steps_per_execution=model.steps_per_execution, backend_batches=False,
     )
     callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches)
     strategy.extended._sync_variables_from_chief()
