@@ -81,7 +81,7 @@ class _LoopIterator(EpochIterator):
 
     def build_model(self, model: Any, kind: str = "train") -> None:
         """Builds the model as the backend's own loop would: from a spec (TensorFlow) or the first batch."""
-        batch = engine.trainer.build_batch(self._batches) if self._batches is not None else None
+        batch = engine.trainer.build_batch(self.data_adapter, self._batches)
         if batch is not None:
             _symbolic_build(model, kind, data_batch=batch)
         else:

@@ -176,8 +176,8 @@ def test_subclassed_model_with_add_loss_counts_each_term_once():
 
 
 class Batches(keras.utils.PyDataset):
-    def __init__(self, x, y, batch_size):
-        super().__init__()
+    def __init__(self, x, y, batch_size, **kwargs):
+        super().__init__(**kwargs)
         self.x, self.y, self.batch_size = x, y, batch_size
 
     def __len__(self):
@@ -222,6 +222,23 @@ def test_py_dataset_and_generator_inputs():
     np.testing.assert_allclose(got["loss"], expected["loss"], **TOL)
     _assert_same_weights(model, reference)
     np.testing.assert_allclose(model.predict(Batches(x, y, 4), verbose=0), reference.predict(Batches(x, y, 4), verbose=0), **TOL)
+
+
+def test_a_py_dataset_read_by_workers_takes_the_batches_of_one_device():
+    # With `workers`, a PyDataset's enqueuer keeps its place between iterators: reading a batch to
+    # build the model moved it one batch on. Keras' own TensorFlow trainer builds from a spec and
+    # reads none (its JAX and PyTorch trainers read one, and so do we there), so on TensorFlow
+    # every epoch started one batch late against training without a strategy. (Threads: forking a
+    # JAX process for `use_multiprocessing` risks a deadlock, and the enqueuer is the same.)
+    from test_loops import dense_model
+
+    x, y = regression_data(10)
+    reference, model = _reference_and_mirrored(dense_model, 3)
+    batches = lambda: Batches(x, y, 4, workers=2)  # noqa: E731
+    expected = reference.fit(batches(), epochs=2, shuffle=False, verbose=0).history
+    got = model.fit(batches(), epochs=2, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], **TOL)
+    _assert_same_weights(model, reference)
 
 
 if BACKEND == "torch":

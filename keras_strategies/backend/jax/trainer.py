@@ -49,7 +49,7 @@ def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     return data_adapter.get_numpy_iterator
 
 
-def build_batch(batches: Callable[[], Iterable]) -> Optional[Any]:
+def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) -> Optional[Any]:
     """None: Keras' own JAX trainer reads the first batch to build the model before `fit`, and so do we."""
     return None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
+from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
 # The step writes the model's variables itself (see `keras_strategies.replica_variables`).
 STATEFUL_STEPS = True
 # Keras' own TensorFlow trainer builds a model when its step is first traced, not before `fit`.
@@ -30,14 +32,22 @@ def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     return lambda: dataset
 
 
-def build_batch(batches: Callable[[], Iterable]) -> Optional[Any]:
-    """What to build the model from before `fit`: the pipeline's `element_spec`, without reading a batch.
+def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) -> Optional[Any]:
+    """What to build the model from before a loop: a `tf.data` pipeline's `element_spec`, without reading a batch.
 
-    Keras' own TensorFlow trainer reads none before the first epoch; reading
-    one here would start an extra pass, which reshuffles a `PyDataset` and
-    shifts every epoch's order against training without a strategy.
+    Keras' own TensorFlow trainer reads none before the first epoch. Reading
+    one here would start an extra pass, which reshuffles a `PyDataset`, and
+    with `workers` moves its enqueuer one batch on: every epoch's order would
+    shift against training without a strategy. Read as NumPy batches
+    (`batches` None), a `PyDataset` gives its spec through Keras' `tf.data`
+    view of it, which peeks by index; other inputs are read from a fresh
+    iterator, which moves nothing.
     """
-    return batches().element_spec
+    if batches is not None:
+        return batches().element_spec
+    if isinstance(data_adapter, PyDatasetAdapter):
+        return data_adapter.get_tf_dataset().element_spec
+    return None
 
 
 def install() -> None:

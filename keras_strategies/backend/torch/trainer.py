@@ -36,7 +36,7 @@ def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     return data_adapter.get_torch_dataloader
 
 
-def build_batch(batches: Callable[[], Iterable]) -> Optional[Any]:
+def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) -> Optional[Any]:
     """None: Keras' own PyTorch trainer reads the first batch to build the model before `fit`, and so do we."""
     return None
 
