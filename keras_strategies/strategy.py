@@ -13,6 +13,7 @@ import contextlib
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from keras import distribution as keras_distribution
 from keras import ops
 
 from keras_strategies import context
@@ -374,6 +375,8 @@ class Strategy:
                 f"is active and a {type(self).__name__} scope was entered inside it. Leave the "
                 "first scope (or use the same strategy object) before entering another."
             )
+        if not is_default(self):
+            _refuse_keras_distribution(self)
         replica_context = self._default_replica_context if is_default(self) else None
         with context.enter_frame(self, replica_context), self._extended._scope_placement():
             yield self
@@ -484,3 +487,18 @@ def default_strategy() -> Strategy:
 
 def is_default(strategy: Any) -> bool:
     return isinstance(strategy, _DefaultStrategy)
+
+
+def _refuse_keras_distribution(strategy: "Strategy") -> None:
+    """Keras' own distribution API and a strategy would both place variables and split batches.
+
+    Together they fail deep inside the backend (on JAX, a jitted step gets
+    arguments on different devices), so the scope refuses the mix.
+    """
+    active = keras_distribution.distribution()
+    if active is not None:
+        raise RuntimeError(
+            f"keras.distribution is set to {type(active).__name__}, which places variables and splits "
+            f"batches itself, as {type(strategy).__name__} does: use one of them. Call "
+            "keras.distribution.set_distribution(None) before using the strategy, or train without it."
+        )

@@ -137,3 +137,24 @@ def test_replicas_making_different_collective_calls_fail_instead_of_hanging():
 
     with pytest.raises(RuntimeError, match="different collective calls|merge_call"):
         strategy.run(fn)
+
+
+def test_a_keras_distribution_and_a_strategy_are_refused_together():
+    # On JAX the mix failed inside a jitted step ("Received incompatible devices").
+    from keras import distribution
+
+    strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer="sgd")
+    distribution.set_distribution(distribution.DataParallel(devices=["cpu:0", "cpu:1"]))
+    try:
+        with pytest.raises(RuntimeError, match=r"keras.distribution is set to DataParallel.*set_distribution\(None\)"):
+            model.fit(np.zeros((4, 3), "float32"), np.zeros((4, 1), "float32"), verbose=0)
+        with pytest.raises(RuntimeError, match="use one of them"):
+            with strategy.scope():
+                pass
+    finally:
+        distribution.set_distribution(None)
+    with strategy.scope():  # unset, the strategy works again
+        model.fit(np.zeros((4, 3), "float32"), np.zeros((4, 1), "float32"), verbose=0)
