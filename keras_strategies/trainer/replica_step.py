@@ -237,8 +237,11 @@ class ReplicaStep:
         return state + ([v.value for v in model.metrics_variables],) if with_metrics else state
 
     def _loss_scale(self) -> float:
+        """What Keras' own step multiplies the loss by (`optimizer.scale_loss`) before differentiating:
+        a `LossScaleOptimizer`'s dynamic scale or an optimizer's `loss_scale_factor`, which
+        `apply` divides out of the gradients again."""
         optimizer = self.model.optimizer
-        if not isinstance(optimizer, LossScaleOptimizer):
+        if not isinstance(optimizer, LossScaleOptimizer) and getattr(optimizer, "loss_scale_factor", None) is None:
             return 1.0  # no blocking read of a constant 1 every step
         return float(ops.convert_to_numpy(optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32"))))
 

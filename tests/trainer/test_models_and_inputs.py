@@ -295,6 +295,18 @@ def test_gradients_are_clipped_after_the_sum_across_replicas():
     np.testing.assert_allclose(model.get_weights()[0].ravel(), [0.70710677, 0.70710677], rtol=1e-6)
 
 
+def test_an_optimizers_loss_scale_factor_scales_the_loss_as_on_one_device():
+    # Keras' step multiplies the loss by `loss_scale_factor` and `apply` divides the gradients by
+    # it; the replicas did not scale the loss, so SGD stepped 8 times too short.
+    def build():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.01, loss_scale_factor=8.0, global_clipnorm=5.0))
+        return model
+
+    x, y = regression_data(10)
+    assert_same_training(build, x, y, batch_size=4, replicas=3)
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision(policy):
     from test_loops import dense_model
