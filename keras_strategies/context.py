@@ -149,7 +149,8 @@ class ReplicaContext:
         # Set by multi-replica steps: which rows of the replica's (padded) shard are real,
         # whether the replicas run together so that collectives can rendezvous, and (for a
         # custom `train_step`) the replica's share of the global batch, by which the
-        # optimizer weights its gradients before summing them.
+        # optimizer weights its gradients before summing them and a `Mean` metric counts a
+        # scalar update (`metric_weighting.py`).
         self._row_mask = row_mask
         self._in_program = in_program
         self._gradient_weight = gradient_weight
@@ -157,9 +158,6 @@ class ReplicaContext:
         # global batch, and the row mask when it is handed to the loss as the sample weight.
         self._loss_share = None
         self._padding_weight = None
-        # Set in a model's own step on replicas (`metric_weighting.py`): the replica's share of
-        # the global batch, by which a scalar update of a `Mean` metric counts.
-        self._metric_share = None
 
     @property
     def strategy(self) -> "Strategy":

@@ -35,8 +35,8 @@ def _match_weight_rank(losses, weights):
     """TF's squeeze-or-expand rule, so `(B, 1)` weights apply to `(B,)` losses and back."""
     loss_rank, weight_rank = len(losses.shape), len(weights.shape)
     if weight_rank - loss_rank == 1 and weights.shape[-1] == 1:
-        return ops.squeeze(weights, axis=-1)
-    if loss_rank - weight_rank == 1:
+        weights = ops.squeeze(weights, axis=-1)
+    elif loss_rank - weight_rank == 1:
         weights = ops.expand_dims(weights, axis=-1)
     try:  # static shapes only: a traced unknown dimension is left to the backend
         np.broadcast_shapes(*(tuple(1 if d is None else d for d in t.shape) for t in (losses, weights)))

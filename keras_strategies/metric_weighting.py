@@ -28,8 +28,9 @@ from keras_strategies import context
 
 
 def _replica_share() -> Any:
+    """The replica's share of the batch in a model's own step (`ReplicaContext._gradient_weight`), else None."""
     replica_context = context.get_replica_context()
-    return None if replica_context is None else getattr(replica_context, "_metric_share", None)
+    return None if replica_context is None else replica_context._gradient_weight
 
 
 def _wrap(original: Callable) -> Callable:

@@ -20,9 +20,7 @@ def replica_with_share():
     strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
 
     def enter(share):
-        replica_context = context.ReplicaContext(strategy, 0)
-        replica_context._metric_share = share
-        return context.enter_frame(strategy, replica_context)
+        return context.enter_frame(strategy, context.ReplicaContext(strategy, 0, gradient_weight=share))
 
     return enter
 

@@ -74,10 +74,9 @@ class CustomStep:
             with keras_state.installed(snapshot), context.enter_frame(self.strategy, replica_context), \
                     writes.scope(k):
                 # Keras losses computed in the step reduce to the replica's share (`loss_reduction.py`);
-                # the optimizer weighs its gradients by the same share.
+                # the optimizer weighs its gradients by the same share, and `metric.update_state(loss)`
+                # (Keras' guide) counts with it (`metric_weighting.py`).
                 loss_reduction.enter_replica_loss(replica_context._gradient_weight, None, None)
-                # `metric.update_state(loss)` (Keras' guide) counts with the same share (`metric_weighting.py`).
-                replica_context._metric_share = replica_context._gradient_weight
                 piece = as_tensors(pieces[i])
                 shard = data_adapter_utils.pack_x_y_sample_weight(*piece) if kind != "predict" else (piece[0],)
                 return engine.trainer.call_step(self.model, kind, shard, self.devices[i])
