@@ -43,11 +43,19 @@ def resolve(resolver: Any) -> WorkerCluster:
     """Validates the resolver's cluster with TF's rules and orders the training workers."""
     spec = roles.normalize_cluster_spec(resolver.cluster_spec())
     task_type, task_id = resolver.task_type, resolver.task_id
-    if spec and task_type in ("ps", "evaluator"):
+    if spec and task_type == "evaluator":
+        # A side-car outside the training cluster (TF's rules): as in TensorFlow, its strategy
+        # runs alone on its own devices, as the chief of nothing, so the script the workers run
+        # can build, load and evaluate models there unchanged.
+        roles.validate_cluster_spec(spec, task_type, task_id)
+        address = spec.task_address(task_type, int(task_id)) if task_type in spec.jobs else "localhost"
+        name = f"evaluator {int(task_id)}"
+        return WorkerCluster(1, 0, task_type, int(task_id), (address,), (name,), True, spec, None)
+    if spec and task_type == "ps":
         roles.validate_cluster_spec(spec, task_type, task_id)
         raise ValueError(
-            f"MultiWorkerMirroredStrategy runs on `chief` and `worker` tasks; this task is "
-            f"{task_type!r} {task_id}. Start evaluators and parameter servers with their own code."
+            f"MultiWorkerMirroredStrategy runs on `chief` and `worker` tasks (and alone on an "
+            f"evaluator); this task is {task_type!r} {task_id}. Start parameter servers with their own code."
         )
     spec = roles.validate_multi_worker_config(spec, task_type, task_id)
     if not spec:

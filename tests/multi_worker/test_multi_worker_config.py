@@ -51,8 +51,14 @@ def _fit(strategy, x, y):
     return history.history, model.get_weights()
 
 
-@pytest.mark.parametrize("tf_config", [None, {"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": 0}}],
-                         ids=["no TF_CONFIG", "one-worker cluster"])
+@pytest.mark.parametrize("tf_config", [
+    None,
+    {"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": 0}},
+    # An evaluator is a side-car outside the training cluster (its entry is optional): as in
+    # TensorFlow, its strategy runs alone, as chief, without joining the workers.
+    {"cluster": {"worker": ["a:1", "b:2"], "evaluator": ["c:3"]}, "task": {"type": "evaluator", "index": 0}},
+    {"cluster": {"chief": ["a:1"], "worker": ["b:2"]}, "task": {"type": "evaluator", "index": 0}},
+], ids=["no TF_CONFIG", "one-worker cluster", "evaluator", "evaluator not in the cluster"])
 def test_a_single_worker_trains_on_local_devices_like_one_device(monkeypatch, tf_config):
     if tf_config is None:
         monkeypatch.delenv("TF_CONFIG", raising=False)
@@ -79,8 +85,10 @@ def test_a_single_worker_trains_on_local_devices_like_one_device(monkeypatch, tf
     ({"cluster": {"worker": ["a:1"], "trainer": ["b:2"]}, "task": {"type": "worker", "index": 0}}, "Disallowed task type"),
     ({"cluster": {"worker": ["a:1"]}, "task": {"type": "master", "index": 0}}, "Unrecognized task_type: master"),
     ({"cluster": {"worker": ["a:1"], "ps": ["b:2"]}, "task": {"type": "ps", "index": 0}}, "runs on `chief` and `worker` tasks"),
+    ({"cluster": {"worker": ["a:1"], "evaluator": ["b:2"]}, "task": {"type": "evaluator", "index": 1}}, "exceeds the maximum id of evaluator"),
     ("{not json", "TF_CONFIG is not valid JSON"),
-], ids=["no task", "index too large", "unknown task type in cluster", "two chiefs", "unknown job", "bad type", "ps task", "bad json"])
+], ids=["no task", "index too large", "unknown task type in cluster", "two chiefs", "unknown job", "bad type", "ps task",
+     "evaluator index too large", "bad json"])
 def test_invalid_tf_config_is_a_value_error_naming_the_problem(monkeypatch, tf_config, message):
     monkeypatch.setenv("TF_CONFIG", tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("`", ".")):
