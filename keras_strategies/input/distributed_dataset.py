@@ -66,8 +66,16 @@ class OptionalValue:
 class DistributedIterator:
     """Iterator over global steps; each element holds one value per replica."""
 
-    def __init__(self, next_step: Callable[[], Any]):
+    def __init__(self, next_step: Callable[[], Any], dataset: Optional["DistributedDataset"] = None):
         self._next_step = next_step
+        self._dataset = dataset
+
+    @property
+    def element_spec(self) -> Any:
+        """The type of one element (see `DistributedDataset.element_spec`)."""
+        if self._dataset is None:
+            raise ValueError("This iterator does not come from a distributed dataset: it has no element_spec.")
+        return self._dataset.element_spec
 
     def __iter__(self) -> "DistributedIterator":
         return self
@@ -130,6 +138,30 @@ class DistributedDataset:
             )
         return _empty_like(self._last)
 
+    @property
+    def element_spec(self) -> Any:
+        """The type of one element, as `tf.distribute.DistributedDataset.element_spec`.
+
+        The source `tf.data.Dataset`'s spec with an unknown batch size (shards
+        differ), each leaf a `PerReplica` of one spec per local replica (with
+        one replica, the spec itself). On TensorFlow it serves as a
+        `tf.function` `input_signature`, as in TensorFlow's input guide.
+        """
+        spec = getattr(self._dataset, "element_spec", None)
+        if spec is None:
+            raise ValueError(
+                f"element_spec is known for a distributed tf.data.Dataset; this one reads a "
+                f"{type(self._dataset).__name__}."
+            )
+        from keras.src.utils.module_utils import tensorflow as tf
+
+        def per_replica(leaf: Any) -> Any:
+            if isinstance(leaf, tf.TensorSpec) and leaf.shape.rank:
+                leaf = tf.TensorSpec((None,) + tuple(leaf.shape[1:]), leaf.dtype, leaf.name)
+            return leaf if len(self._devices) == 1 else PerReplica([leaf] * len(self._devices))
+
+        return tf.nest.map_structure(per_replica, spec)
+
     def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
         state = initial_state
         for element in self:
@@ -163,7 +195,7 @@ class GlobalBatchDataset(DistributedDataset):
             batch = tree.map_structure(lambda leaf: leaf[offset:offset + sum(mine)], batch)
             return self._place(split_batch(batch, mine))
 
-        return DistributedIterator(next_step)
+        return DistributedIterator(next_step, self)
 
 
 class DistributedDatasetsFromFunction(DistributedDataset):
@@ -200,4 +232,4 @@ class DistributedDatasetsFromFunction(DistributedDataset):
             elements += [_empty_like(template)] * (num_replicas - len(elements))
             return self._place(elements)
 
-        return DistributedIterator(next_step)
+        return DistributedIterator(next_step, self)

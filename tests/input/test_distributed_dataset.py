@@ -58,6 +58,26 @@ def test_iterators_and_optional():
     assert dist.reduce(0, lambda state, element: state + 1) == 2
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_element_spec_of_a_distributed_tf_data_dataset(replicas):
+    import tensorflow as tf
+
+    strategy = strategy_of(replicas)
+    dataset = tf.data.Dataset.from_tensor_slices((np.zeros((6, 2), "float32"), np.zeros((6,), "int64"))).batch(4)
+    dist = strategy.experimental_distribute_dataset(dataset)
+    expected = (tf.TensorSpec((None, 2), tf.float32), tf.TensorSpec((None,), tf.int64))  # shards differ in size
+    for spec in (dist.element_spec, iter(dist).element_spec):
+        if replicas == 1:
+            assert spec == expected
+        else:
+            assert all(isinstance(leaf, ks.PerReplica) and leaf.values == (want,) * replicas for leaf, want in zip(spec, expected))
+    per_replica = strategy.distribute_datasets_from_function(lambda context: dataset)
+    first = per_replica.element_spec[0]
+    assert (first if replicas == 1 else first.values) == (expected[0] if replicas == 1 else (expected[0],) * replicas)
+    with pytest.raises(ValueError, match="element_spec is known for a distributed tf.data.Dataset; this one reads a NumpyDataset"):
+        strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset(np.arange(4)).batch(2)).element_spec
+
+
 def test_nested_elements_and_device_placement():
     strategy = strategy_of(2)
     x, y = np.arange(8, dtype="float32").reshape(4, 2), np.arange(4)
