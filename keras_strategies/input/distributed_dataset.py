@@ -66,15 +66,13 @@ class OptionalValue:
 class DistributedIterator:
     """Iterator over global steps; each element holds one value per replica."""
 
-    def __init__(self, next_step: Callable[[], Any], dataset: Optional["DistributedDataset"] = None):
+    def __init__(self, next_step: Callable[[], Any], dataset: "DistributedDataset"):
         self._next_step = next_step
         self._dataset = dataset
 
     @property
     def element_spec(self) -> Any:
         """The type of one element (see `DistributedDataset.element_spec`)."""
-        if self._dataset is None:
-            raise ValueError("This iterator does not come from a distributed dataset: it has no element_spec.")
         return self._dataset.element_spec
 
     def __iter__(self) -> "DistributedIterator":
