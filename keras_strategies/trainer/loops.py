@@ -59,10 +59,11 @@ class _LoopIterator(EpochIterator):
     `backend_batches`: the same pipeline as Keras' trainer for this backend
     (`tf.data` on TensorFlow, a `DataLoader` on torch), so that
     `fit(shuffle=True)` takes the same batches as without a strategy under the
-    same seeds. Otherwise NumPy's iterator: the same order when nothing is
-    shuffled, at a fraction of the cost per batch (~10 us against ~60 us for a
-    `DataLoader` and ~300 us for eager `tf.data`), and the order every worker
-    shares under several workers (seeded from the chief).
+    same seeds; on torch in every loop (`_reads_backend_pipeline`). Otherwise
+    NumPy's iterator: the same order when nothing is shuffled, at a fraction of
+    the cost per batch (~10 us against ~60 us for a `DataLoader` and ~300 us
+    for eager `tf.data`), and the order every worker shares under several
+    workers (seeded from the chief).
 
     A `tf.data.Dataset` is always read through the backend's pipeline, shuffled or not, in
     `fit`, `evaluate` and `predict`: Keras makes two iterators per epoch (one when an epoch
@@ -86,6 +87,17 @@ class _LoopIterator(EpochIterator):
             _symbolic_build(model, kind, data_batch=batch)
         else:
             _symbolic_build(model, kind, iterator=self)
+
+
+def _reads_backend_pipeline(strategy: Any, shuffle: bool) -> bool:
+    """Whether a loop reads the backend's own pipeline (`_LoopIterator`) rather than NumPy's.
+
+    Needed when shuffling, for the order of one device, and on every loop where
+    that pipeline draws from the global generator even unshuffled (torch's
+    `DataLoader`), so that later shuffles draw what they draw without a
+    strategy. Several workers read NumPy's order, seeded from the chief.
+    """
+    return (bool(shuffle) or engine.trainer.PIPELINE_DRAWS_RNG) and strategy.extended._num_workers == 1
 
 
 def _symbolic_build(model: Any, kind: str, **batch: Any) -> None:
@@ -155,7 +167,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     epoch_iterator = _LoopIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
         shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
-        backend_batches=bool(shuffle) and strategy.extended._num_workers == 1,
+        backend_batches=_reads_backend_pipeline(strategy, shuffle),
     )
     epoch_iterator.build_model(model)
     strategy.extended._sync_variables_from_chief()
@@ -216,7 +228,8 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
         raise ValueError(f"Arguments not recognized: {kwargs}")
     epoch_iterator = _LoopIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
-        shuffle=False, steps_per_execution=model.steps_per_execution, backend_batches=False,
+        shuffle=False, steps_per_execution=model.steps_per_execution,
+        backend_batches=_reads_backend_pipeline(strategy, False),
     )
     epoch_iterator.build_model(model, "test")
     strategy.extended._sync_variables_from_chief()
@@ -250,7 +263,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
 def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
     epoch_iterator = _LoopIterator(
         x=x, batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
-        steps_per_execution=model.steps_per_execution, backend_batches=False,
+        steps_per_execution=model.steps_per_execution, backend_batches=_reads_backend_pipeline(strategy, False),
     )
     callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches)
     strategy.extended._sync_variables_from_chief()

@@ -352,3 +352,23 @@ def test_dropout_trains_and_inference_matches_one_device():
     assert np.all(np.isfinite(history["loss"]))
     reference.set_weights(model.get_weights())
     np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), **TOL)
+
+
+def test_validation_and_predict_between_shuffled_fits_keep_the_batches_of_one_device():
+    # Keras' own PyTorch trainer reads every loop through a `DataLoader`, whose iterator draws a
+    # seed from torch's global generator even unshuffled: validation, `evaluate` and `predict`
+    # move the order of every later shuffle. Ours read the same pipeline, so the orders stay equal.
+    from test_loops import dense_model
+
+    x, y = regression_data(22)
+    reference, model = _reference_and_mirrored(dense_model, 3)
+    histories = []
+    for fitted in (reference, model):
+        keras.utils.set_random_seed(5)
+        history = fitted.fit(x, y, batch_size=4, epochs=3, validation_data=(x[:7], y[:7]), verbose=0).history
+        fitted.predict(x[:5], batch_size=2, verbose=0)
+        fitted.evaluate(x[:5], y[:5], batch_size=2, verbose=0)
+        again = fitted.fit(x, y, batch_size=4, epochs=1, shuffle=True, verbose=0).history
+        histories.append(history["loss"] + history["val_loss"] + again["loss"])
+    np.testing.assert_allclose(histories[1], histories[0], **TOL)
+    _assert_same_weights(model, reference)

@@ -10,6 +10,8 @@ from keras_strategies.backend.jax.devices import copy_to
 STATEFUL_STEPS = False
 # Keras' own JAX trainer builds a model from the first batch before `fit`; one it cannot build fails.
 DEFERS_BUILD = False
+# Keras' own JAX trainer reads NumPy batches, which draw from no global generator unless shuffled.
+PIPELINE_DRAWS_RNG = False
 
 # Per step kind: the model's state as Keras' JAX trainer passes it, with how each
 # part is combined across replicas ("first": identical everywhere, "mean", "delta_sum").

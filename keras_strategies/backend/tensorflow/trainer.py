@@ -10,6 +10,8 @@ from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 STATEFUL_STEPS = True
 # Keras' own TensorFlow trainer builds a model when its step is first traced, not before `fit`.
 DEFERS_BUILD = True
+# An unshuffled `tf.data` pipeline draws from no global generator.
+PIPELINE_DRAWS_RNG = False
 
 
 def state_parts(model: Any, kind: str) -> list:

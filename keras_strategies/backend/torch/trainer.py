@@ -15,6 +15,9 @@ from keras_strategies import context
 STATEFUL_STEPS = True
 # Keras' own PyTorch trainer builds a model from the first batch before `fit`; one it cannot build fails.
 DEFERS_BUILD = False
+# Each `DataLoader` iterator draws its base seed from torch's global generator, even unshuffled:
+# Keras' own loops (validation, `evaluate`, `predict`) all move the order of later shuffles.
+PIPELINE_DRAWS_RNG = True
 
 
 def state_parts(model: Any, kind: str) -> list:
