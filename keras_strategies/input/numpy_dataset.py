@@ -50,10 +50,18 @@ class NumpyDataset:
         return self._with(shuffle_seed=0 if seed is None else seed)
 
     def __iter__(self) -> Iterator[Any]:
+        return self.iteration(self.take_iteration())
+
+    def take_iteration(self) -> int:
+        """The number of the next iteration (each new iteration reshuffles)."""
+        self._iterations += 1
+        return self._iterations - 1
+
+    def iteration(self, number: int) -> Iterator[Any]:
+        """The elements of iteration `number`: read again, it gives the same order."""
         rng = None
         if self._shuffle_seed is not None:
-            rng = np.random.default_rng([self._shuffle_seed, self._iterations])
-            self._iterations += 1
+            rng = np.random.default_rng([self._shuffle_seed, number])
         passes = 0
         while self._repeat is None or passes < self._repeat:
             order = rng.permutation(self._length) if rng is not None else np.arange(self._length)

@@ -24,6 +24,7 @@ from keras.src.utils.python_utils import pythonify_logs
 
 from keras_strategies.backend import engine
 from keras_strategies.input import worker_sharding
+from keras_strategies.input.keras_input import keras_input
 from keras_strategies.multi_worker import chief_only
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
 from keras_strategies.trainer.replica_step import ReplicaStep
@@ -157,12 +158,15 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     if max_epochs and max_epochs < epochs:
         warnings.warn("Limiting epochs to %d" % max_epochs)
         epochs = max_epochs
+    x, ordered = keras_input(strategy, x)
+    shuffle = shuffle and not ordered
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split
         )
     if validation_data is not None:
         val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+        val_x, _ = keras_input(strategy, val_x)
 
     epoch_iterator = _LoopIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
@@ -226,6 +230,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     kwargs.pop("_use_cached_eval_dataset", None)
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
+    x, _ = keras_input(strategy, x)
     epoch_iterator = _LoopIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
         shuffle=False, steps_per_execution=model.steps_per_execution,
@@ -261,6 +266,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
 
 
 def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    x, _ = keras_input(strategy, x)
     epoch_iterator = _LoopIterator(
         x=x, batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
         steps_per_execution=model.steps_per_execution, backend_batches=_reads_backend_pipeline(strategy, False),
