@@ -122,6 +122,22 @@ def _per_worker_input(strategy: Any, x: Any) -> bool:
     return strategy.extended._num_workers > 1 and worker_sharding.is_worker_sharded(x)
 
 
+def _require_samples(epoch_iterator: Any, strategy: Any, x: Any, method: str) -> None:
+    """A clear error for an input without samples, which Keras' own loops fail on deep inside.
+
+    Not for per-worker input: there one worker's share may be empty while
+    others have data (`worker_sharding.agreed_steps`).
+    """
+    if epoch_iterator.data_adapter.num_batches == 0 and not _per_worker_input(strategy, x):
+        raise ValueError(f"`{method}` got an input without any samples: pass at least one sample.")
+
+
+def _require_rows(batch: Any, method: str) -> None:
+    sizes = {int(leaf.shape[0]) for leaf in tree.flatten(batch) if getattr(leaf, "shape", None)}
+    if 0 in sizes:
+        raise ValueError(f"`{method}` got a batch of 0 samples: pass at least one sample.")
+
+
 def _epoch(epoch_iterator: Any, strategy: Any, model: Any, per_worker: bool) -> Any:
     """The epoch's steps; with per-worker input, the same number on every worker."""
     if not per_worker:
@@ -173,6 +189,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
         backend_batches=_reads_backend_pipeline(strategy, shuffle),
     )
+    _require_samples(epoch_iterator, strategy, x, "fit")
     epoch_iterator.build_model(model)
     strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
@@ -236,6 +253,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
         shuffle=False, steps_per_execution=model.steps_per_execution,
         backend_batches=_reads_backend_pipeline(strategy, False),
     )
+    _require_samples(epoch_iterator, strategy, x, "evaluate")
     epoch_iterator.build_model(model, "test")
     strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
@@ -271,6 +289,7 @@ def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, cal
         x=x, batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
         steps_per_execution=model.steps_per_execution, backend_batches=_reads_backend_pipeline(strategy, False),
     )
+    _require_samples(epoch_iterator, strategy, x, "predict")
     callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches)
     strategy.extended._sync_variables_from_chief()
     step = replica_step(model, strategy)
@@ -297,6 +316,8 @@ def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, cal
             if stop.leave_now():
                 break
     callbacks.on_predict_end()
+    if outputs is None:
+        raise ValueError("`predict` read no batch from its input: pass at least one sample.")
     return tree.map_structure_up_to(batch_outputs, np.concatenate, outputs)
 
 
@@ -310,6 +331,7 @@ def train_on_batch(model, strategy, x, y=None, sample_weight=None, class_weight=
             )
         sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
     data = (x, y, sample_weight)
+    _require_rows(data, "train_on_batch")
     _symbolic_build(model, "train", data_batch=data)
     strategy.extended._sync_variables_from_chief()
     model.reset_metrics()
@@ -320,6 +342,7 @@ def train_on_batch(model, strategy, x, y=None, sample_weight=None, class_weight=
 def test_on_batch(model, strategy, x, y=None, sample_weight=None, return_dict=False):
     model._assert_compile_called("test_on_batch")
     data = (x, y, sample_weight)
+    _require_rows(data, "test_on_batch")
     _symbolic_build(model, "test", data_batch=data)
     strategy.extended._sync_variables_from_chief()
     model.reset_metrics()
@@ -328,6 +351,7 @@ def test_on_batch(model, strategy, x, y=None, sample_weight=None, return_dict=Fa
 
 
 def predict_on_batch(model, strategy, x):
+    _require_rows(x, "predict_on_batch")
     strategy.extended._sync_variables_from_chief()
     outputs = replica_step(model, strategy).predict_step((x,))
     return tree.map_structure(keras_backend.convert_to_numpy, outputs)

@@ -324,3 +324,29 @@ def test_a_metric_gets_tensors_not_numpy_arrays():
 
     x, y = regression_data(10)
     assert_same_training(build, x, y, batch_size=4, replicas=3)
+
+
+def test_an_input_without_samples_gets_a_clear_error():
+    # Keras' own loops fail deep inside on these (StopIteration, UnboundLocalError, a gradient of
+    # a non-scalar), or, on TensorFlow, train on nothing without a word.
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = dense_model()
+    x, y = regression_data(4)
+    calls = {
+        "fit": lambda: model.fit(x[:0], y[:0], verbose=0),
+        "evaluate": lambda: model.evaluate(x[:0], y[:0], verbose=0),
+        "predict": lambda: model.predict(x[:0], verbose=0),
+        "train_on_batch": lambda: model.train_on_batch(x[:0], y[:0]),
+        "test_on_batch": lambda: model.test_on_batch(x[:0], y[:0]),
+        "predict_on_batch": lambda: model.predict_on_batch(x[:0]),
+    }
+    for method, call in calls.items():
+        with pytest.raises(ValueError, match=f"`{method}` got an? .*0 samples|`{method}` got an input without any samples"):
+            call()
+    import tensorflow as tf
+
+    unknown_and_empty = tf.data.Dataset.from_tensor_slices(x).filter(lambda row: False).batch(2)
+    with pytest.raises(ValueError, match="`predict` read no batch from its input"):
+        model.predict(unknown_and_empty, verbose=0)
+    assert model.predict(x, verbose=0).shape == (4, 1)  # and the model still works
