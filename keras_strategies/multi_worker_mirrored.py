@@ -10,10 +10,9 @@ applies the same update, so all workers hold identical weights.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from keras import ops
@@ -245,15 +244,33 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         value = np.array([float(number) if self._cluster.is_chief else 0.0], "float32")
         return int(round(float(_to_numpy(self._cross_worker_sum([value], "broadcast from the chief")[0])[0])))
 
-    @contextlib.contextmanager
-    def _same_shuffle_on_every_worker(self) -> Iterator[None]:
-        """The RNGs Keras' `fit` shuffles its input with, seeded from the chief for the duration."""
+    def _same_on_every_worker(self, key: Optional[int]) -> bool:
+        """Whether every worker has this same `key` (None on any worker: no), in 16-bit pieces."""
         if self._cluster.num_workers == 1:
-            yield
+            return key is not None
+        pieces = [0.0] * 5 if key is None else [1.0] + [float((key >> shift) & 0xFFFF) for shift in (0, 16, 32, 48)]
+        rows = self._rows_from_every_worker(pieces, "input order check")
+        return bool(rows[:, 0].all()) and len({tuple(row) for row in rows.tolist()}) == 1
+
+    def _use_chief_input_rngs(self) -> None:
+        """Every worker takes over the chief's states of the RNGs Keras' input adapters shuffle with.
+
+        So all read the same order, the one a single process seeded as the
+        chief draws; nothing is drawn for it.
+        """
+        if self._cluster.num_workers == 1:
             return
-        seed = self._broadcast_from_chief(int(np.random.randint(0, 2**24)))
-        with worker_sharding.same_input_shuffles(seed):
-            yield
+        states = worker_sharding.host_rng_states() if self._cluster.is_chief else b""
+        worker_sharding.set_host_rng_states(self._broadcast_bytes_from_chief(states))
+
+    def _broadcast_bytes_from_chief(self, data: bytes) -> bytes:
+        """The chief's `data` (other workers pass anything): its length, then its bytes, summed as floats."""
+        size = self._broadcast_from_chief(len(data))
+        payload = np.zeros((size,), "float32")
+        if self._cluster.is_chief:
+            payload[:] = np.frombuffer(data, np.uint8)
+        (total,) = self._cross_worker_sum([payload], "broadcast from the chief")
+        return np.rint(_to_numpy(total)).astype(np.uint8).tobytes()
 
     def _sync_variables_from_chief(self, force: bool = False) -> None:
         """Overwrites variables with the chief's values: new ones, or all with `force`."""

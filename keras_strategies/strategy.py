@@ -254,9 +254,8 @@ class StrategyExtended:
         """The chief's value of a small integer (one worker: `number`)."""
         return number
 
-    def _same_shuffle_on_every_worker(self) -> contextlib.AbstractContextManager:
-        """Makes NumPy-driven shuffling identical on every worker for the duration."""
-        return contextlib.nullcontext()
+    def _use_chief_input_rngs(self) -> None:
+        """Makes every worker's input shuffles draw as the chief's (one worker: nothing to do)."""
 
     def _all_gather(self, replica_context: "context.ReplicaContext", value: Any, axis: int) -> Any:
         if self.num_replicas_in_sync != 1:

@@ -4,8 +4,9 @@ Default (every input type): every worker reads the same input in the same
 order; each global batch is split across all replicas of all workers and each
 worker takes its replicas' consecutive shards. The shuffles of Keras' `fit`
 (NumPy arrays with NumPy's global RNG, `PyDataset` batch order with Python's
-`random`, a torch `DataLoader` with torch's default generator) are seeded
-from the chief so that they agree (`same_input_shuffles`); other shuffles,
+`random`, a torch `DataLoader` with torch's default generator) draw from the
+chief's RNG states, which every worker takes over (`host_rng_states`), so they
+agree and draw what one process seeded like the chief draws; other shuffles,
 such as `tf.data`'s, need a seed.
 
 Opt-out, for users who shard themselves: a `tf.data.Dataset` whose
@@ -20,6 +21,7 @@ every worker's input is exhausted, so no worker waits forever.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import random
 import sys
 import threading
@@ -31,29 +33,26 @@ from keras.src import tree
 _state = threading.local()
 
 
-@contextlib.contextmanager
-def same_input_shuffles(seed: int) -> Iterator[None]:
-    """Seeds the global RNGs that Keras' input adapters shuffle with; restores them afterwards.
+def host_rng_states() -> bytes:
+    """The states of the RNGs Keras' input adapters shuffle with, as bytes to send to other workers.
 
-    Every worker passes the chief's `seed`, so all read the same order.
-    NumPy shuffles arrays, Python's `random` a `PyDataset`'s batch order and
-    torch's default CPU generator a `DataLoader`'s sampler (seeded only if
+    NumPy's global RNG shuffles arrays, Python's `random` a `PyDataset`'s batch
+    order, torch's default CPU generator a `DataLoader`'s sampler (only if
     torch is loaded; CUDA generators are left alone).
     """
-    numpy_state, python_state = np.random.get_state(), random.getstate()
     torch = sys.modules.get("torch")
-    torch_state = torch.default_generator.get_state() if torch is not None else None
-    np.random.seed(seed)
-    random.seed(seed)
-    if torch is not None:
-        torch.default_generator.manual_seed(seed)
-    try:
-        yield
-    finally:
-        np.random.set_state(numpy_state)
-        random.setstate(python_state)
-        if torch is not None:
-            torch.default_generator.set_state(torch_state)
+    torch_state = torch.default_generator.get_state().numpy().tobytes() if torch is not None else None
+    return pickle.dumps((np.random.get_state(), random.getstate(), torch_state))
+
+
+def set_host_rng_states(states: bytes) -> None:
+    """Takes over the states `host_rng_states` gave (on another worker): the same draws from now on."""
+    numpy_state, python_state, torch_state = pickle.loads(states)
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch_state is not None:
+        torch.default_generator.set_state(torch.from_numpy(np.frombuffer(torch_state, np.uint8).copy()))
 
 
 def is_worker_sharded(data: Any) -> bool:

@@ -96,9 +96,16 @@ def _reads_backend_pipeline(strategy: Any, shuffle: bool) -> bool:
     Needed when shuffling, for the order of one device, and on every loop where
     that pipeline draws from the global generator even unshuffled (torch's
     `DataLoader`), so that later shuffles draw what they draw without a
-    strategy. Several workers read NumPy's order, seeded from the chief.
+    strategy. Several workers read it when its order is fixed by the same key
+    on every worker (`engine.trainer.pipeline_order_seed`): host RNGs, whose
+    states they take from the chief (JAX, torch), or TensorFlow's global seed
+    for `tf.data`; else NumPy's order, drawn from the chief's RNG states.
     """
-    return (bool(shuffle) or engine.trainer.PIPELINE_DRAWS_RNG) and strategy.extended._num_workers == 1
+    if not (shuffle or engine.trainer.PIPELINE_DRAWS_RNG):
+        return False
+    return strategy.extended._num_workers == 1 or strategy.extended._same_on_every_worker(
+        engine.trainer.pipeline_order_seed()
+    )
 
 
 def _symbolic_build(model: Any, kind: str, **batch: Any) -> None:
@@ -184,6 +191,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
         val_x, _ = keras_input(strategy, val_x)
 
+    strategy.extended._use_chief_input_rngs()  # before the first batch is read, to build the model
     epoch_iterator = _LoopIterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
         shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
@@ -209,7 +217,8 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         _set_mode(model, True)
         logs = {}
         stop = StopAgreement(model, strategy, "stop_training")
-        with strategy.extended._same_shuffle_on_every_worker(), worker_sharding.per_worker_input(per_worker):
+        strategy.extended._use_chief_input_rngs()
+        with worker_sharding.per_worker_input(per_worker):
             for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
                 callbacks.on_train_batch_begin(begin_step)
                 results = stop.run(step.train_step, batches)

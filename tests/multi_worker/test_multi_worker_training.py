@@ -19,7 +19,8 @@ from mw_launch import PROGRAMS, check, run_program
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
     GLOBAL_BATCH, LOOPS, N, build_embedding_model, build_mixed_model, build_model, build_own_steps_model,
-    build_sync_bn_model, build_two_output_model, data, embedding_run, guide_loop, keras_run, reshuffled_run, single_process_statistics,
+    build_sync_bn_model, build_two_output_model, data, embedding_run, guide_loop, keras_run, reshuffled_run, seeded_shuffle_run,
+    single_process_statistics,
     stopped_run, two_output_run,
 )
 
@@ -240,3 +241,12 @@ def test_all_reduce_in_strategy_run_is_differentiable_across_workers(run):
     for index, worker in enumerate(results):
         scales = np.arange(index * devices, (index + 1) * devices) + 1
         np.testing.assert_allclose(worker["all_reduce_grads"], replicas * 2 * total * scales)
+
+
+def test_a_shuffled_fit_with_validation_draws_the_order_of_one_process_seeded_like_the_chief(run):
+    # The workers seeded their RNGs differently (300 + task id); fit(shuffle=True) reads the
+    # backend's own pipeline with the chief's RNG states on every worker, so the run equals one
+    # process seeded with the chief's 300, validation (a torch DataLoader draws a seed) included.
+    out, _, results = run
+    _assert_equal_to_one_process(out, results, "seeded_shuffle", build_model,
+                                 functools.partial(seeded_shuffle_run, seed=300), ("loss", "val_loss"))

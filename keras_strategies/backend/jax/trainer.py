@@ -56,5 +56,14 @@ def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) ->
     return None
 
 
+def pipeline_order_seed() -> Optional[int]:
+    """What fixes the order in which Keras' own pipeline shuffles: host RNGs, the same key on every worker.
+
+    Every worker takes over the chief's RNG states before reading
+    (`_use_chief_input_rngs`), so all read the chief's order.
+    """
+    return 0
+
+
 def install() -> None:
     """Keras hooks this engine needs: none (torch's wraps `TorchModuleWrapper`)."""

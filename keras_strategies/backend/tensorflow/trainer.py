@@ -52,5 +52,17 @@ def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) ->
     return None
 
 
+def pipeline_order_seed() -> Optional[int]:
+    """What fixes the order in which Keras' `tf.data` pipeline shuffles arrays: TensorFlow's global seed.
+
+    Its shuffle is an op in a traced function, whose seed derives from the
+    global seed alone: workers that share it read one order, the one a single
+    process with that seed reads. None if unset (each process its own order).
+    """
+    from tensorflow.python.eager import context
+
+    return context.global_seed()
+
+
 def install() -> None:
     """Keras hooks this engine needs: none (torch's wraps `TorchModuleWrapper`)."""

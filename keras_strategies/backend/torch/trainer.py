@@ -44,6 +44,15 @@ def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) ->
     return None
 
 
+def pipeline_order_seed() -> Optional[int]:
+    """What fixes the order in which Keras' own pipeline shuffles: host RNGs, the same key on every worker.
+
+    Every worker takes over the chief's RNG states before reading
+    (`_use_chief_input_rngs`), so all read the chief's order.
+    """
+    return 0
+
+
 def _wrap_torch_module_call(original: Callable) -> Callable:
     @functools.wraps(original)
     def call(self, *args, training=None, **kwargs):

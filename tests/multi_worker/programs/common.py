@@ -209,6 +209,22 @@ def reshuffled_run(model, x, y):
     return {"loss": history.history["loss"], "weights": model.get_weights()}
 
 
+def seeded_shuffle_run(model, x, y, seed):
+    """`fit(shuffle=True)` with validation after `keras.utils.set_random_seed(seed)`.
+
+    The workers pass different seeds: every worker draws the chief's order.
+    TensorFlow's `tf.data` pipeline shuffles arrays from TF's global seed,
+    which must be the same on every worker (as in TF's guide) to be read.
+    """
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(seed)
+    tf.random.set_seed(300)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=True, validation_data=(x[:10], y[:10]),
+                        verbose=0)
+    return {"loss": history.history["loss"], "val_loss": history.history["val_loss"], "weights": model.get_weights()}
+
+
 def two_output_run(model, x, y):
     """`fit` and `evaluate` with dict targets (`c` must stay in [0, 1]) and sample weights.
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     GLOBAL_BATCH, LOOPS, build_embedding_model, build_mixed_model, build_model, build_own_steps_model,
     build_sync_bn_model, build_two_output_model, data, dropout_counts, embedding_run, global_batch_sizes, guide_loop, keras_run,
-    reshuffled_run, stopped_run, two_output_run,
+    reshuffled_run, seeded_shuffle_run, stopped_run, two_output_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -202,6 +202,11 @@ for name, make in (("py_dataset", RecordedBatches),
     read = []
     model.fit(make(read), epochs=2, verbose=0)
     results[f"{name}_order"] = np.array(read)
+
+
+# fit(shuffle=True) with validation, each worker seeded differently: every worker takes over the
+# chief's RNG states, so all draw the order one process seeded like the chief draws.
+run_keras("seeded_shuffle", build_model, functools.partial(seeded_shuffle_run, seed=300 + task_id))
 
 
 class StopsOnTheChiefOnly(keras.callbacks.Callback):
