@@ -277,3 +277,24 @@ def test_a_loss_returning_a_scalar_on_uneven_shards():
     with pytest.warns(UserWarning, match=SCALAR_WARNING):
         history = model.fit(data["x"], data["y"], batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
     assert np.isfinite(history["loss"]).all()
+
+
+def test_a_shuffled_masked_loss_with_per_step_weights_trains_like_one_device():
+    # Keras' masked losses scale the sample weights in place; on PyTorch the shuffled batches come
+    # from a DataLoader, whose shards must not share one tensor's autograd state.
+    rng, tokens = _padded_tokens(8)
+    tags = rng.integers(0, 3, size=(N, 6))
+    weights = rng.uniform(0.2, 2.0, size=(N, 6)).astype("float32")
+    build = _tagger("mean_with_sample_weight")
+    reference = build()
+    with ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(REPLICAS)]).scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    histories = []
+    for fitted in (reference, model):
+        keras.utils.set_random_seed(3)
+        histories.append(fitted.fit(tokens, tags, sample_weight=weights, batch_size=BATCH, epochs=2, shuffle=True,
+                                    verbose=0).history["loss"])
+    np.testing.assert_allclose(histories[1], histories[0], rtol=1e-5, atol=1e-5)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -63,8 +63,8 @@ class _LoopIterator(EpochIterator):
     same seeds; on torch in every loop (`_reads_backend_pipeline`). Otherwise
     NumPy's iterator: the same order when nothing is shuffled, at a fraction of
     the cost per batch (~10 us against ~60 us for a `DataLoader` and ~300 us
-    for eager `tf.data`), and the order every worker shares under several
-    workers (seeded from the chief).
+    for eager `tf.data`), and under several workers the order every worker
+    shares when the backend's own is not shared (drawn from the chief's RNG states).
 
     A `tf.data.Dataset` is always read through the backend's pipeline, shuffled or not, in
     `fit`, `evaluate` and `predict`: Keras makes two iterators per epoch (one when an epoch

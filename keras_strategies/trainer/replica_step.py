@@ -83,6 +83,7 @@ class Shards:
 
     def __init__(self, data: Any, num_replicas: int, with_targets: bool, num_workers: int = 1, worker_index: int = 0,
                  worker_rows: Any = None):
+        data = tree.map_structure(lambda leaf: None if leaf is None else engine.replicas.batch_leaf(leaf), data)
         if with_targets:
             self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         else:

@@ -29,6 +29,13 @@ AXIS = "replica"
 _in_replica_program = {"active": False, "devices": 1}
 
 
+def batch_leaf(value: Any) -> Any:
+    """A leaf of a global batch, ready to be cut into shards: as it is.
+
+    The engine's arrays are immutable, so their slices share no state.
+    """
+    return value
+
 def _on_device_of(values: list, reference: Any) -> list:
     devices = jnp.asarray(reference).devices()
     if len(devices) != 1:

@@ -24,6 +24,13 @@ NATIVE_SYNC_BATCH_NORM = True
 _strategies: dict = {}
 
 
+def batch_leaf(value: Any) -> Any:
+    """A leaf of a global batch, ready to be cut into shards: as it is.
+
+    The engine's tensors are immutable, so their slices share no state.
+    """
+    return value
+
 def _tf_strategy(devices: Sequence[str]) -> tf.distribute.MirroredStrategy:
     key = tuple(devices)
     if key not in _strategies:

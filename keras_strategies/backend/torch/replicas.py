@@ -19,6 +19,22 @@ EQUAL_SHARDS = False
 NATIVE_SYNC_BATCH_NORM = False
 
 
+def batch_leaf(value: Any) -> Any:
+    """A leaf of a global batch, ready to be cut into shards: a CPU torch tensor as a NumPy view.
+
+    Slices of one torch tensor share its autograd version counter, and Keras'
+    losses scale sample weights in place (`sample_weight *= mask`): on one
+    replica's shard that would break the other replicas' backward passes.
+    Tensors made from slices of a NumPy view do not share it, and they share
+    memory just as the shards of NumPy batches do, so batches from a
+    `DataLoader` train exactly as NumPy batches. (bfloat16, which NumPy lacks,
+    and GPU tensors stay as they are.)
+    """
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype != torch.bfloat16:
+        return value.detach().numpy()
+    return value
+
+
 def _sum_on(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     total = values[0].to(device)
     for value in values[1:]:
