@@ -62,8 +62,9 @@ def test_every_worker_holds_identical_weights(run):
 @pytest.mark.parametrize("name, size", [("py_dataset", -(-N // GLOBAL_BATCH)), ("data_loader", N)],
                          ids=["PyDataset batches", "DataLoader rows"])
 def test_shuffled_fit_reads_the_same_order_on_every_worker(run, name, size):
-    # Each worker seeded its RNGs differently: fit(shuffle=True) seeds the ones Keras' adapters
-    # shuffle with from the chief, so every worker reads the same batches, each epoch a permutation.
+    # Each worker seeded its RNGs differently: in fit(shuffle=True) every worker takes over the
+    # chief's states of the ones Keras' adapters shuffle with, so all read the same batches, each
+    # epoch a permutation.
     _, _, (first, second) = run
     order = first[f"{name}_order"]
     np.testing.assert_array_equal(order, second[f"{name}_order"])

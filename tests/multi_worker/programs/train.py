@@ -165,14 +165,14 @@ class Batches(keras.utils.PyDataset):
 
 results["evaluate_py_dataset"] = model.evaluate(Batches(), verbose=0)
 
-# fit with shuffle=True: NumPy shuffling is seeded from the chief, so every worker slices the same batches.
+# fit with shuffle=True: every worker draws from the chief's RNG states, so all slice the same batches.
 model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=True, verbose=0)
 results["shuffled_weights"] = model.get_weights()
 
 
 # fit(shuffle=True) on a PyDataset (batch order from Python's `random`) and a torch DataLoader
 # (sampler from torch's default generator): each worker's RNGs were seeded differently above,
-# so only the chief's seed makes them read the same order.
+# so only the chief's RNG states, which every worker takes over, make them read the same order.
 class RecordedBatches(Batches):
     def __init__(self, read):
         super().__init__()
