@@ -246,8 +246,6 @@ class MultiWorkerMirroredExtended(MirroredExtended):
 
     def _same_on_every_worker(self, key: Optional[int]) -> bool:
         """Whether every worker has this same `key` (None on any worker: no), in 16-bit pieces."""
-        if self._cluster.num_workers == 1:
-            return key is not None
         pieces = [0.0] * 5 if key is None else [1.0] + [float((key >> shift) & 0xFFFF) for shift in (0, 16, 32, 48)]
         rows = self._rows_from_every_worker(pieces, "input order check")
         return bool(rows[:, 0].all()) and len({tuple(row) for row in rows.tolist()}) == 1

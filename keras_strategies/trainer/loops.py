@@ -129,14 +129,18 @@ def _per_worker_input(strategy: Any, x: Any) -> bool:
     return strategy.extended._num_workers > 1 and worker_sharding.is_worker_sharded(x)
 
 
-def _require_samples(epoch_iterator: Any, strategy: Any, x: Any, method: str) -> None:
-    """A clear error for an input without samples, which Keras' own loops fail on deep inside.
+def _loop_iterator(strategy: Any, method: str, x: Any, shuffle: bool = False, **kwargs: Any) -> _LoopIterator:
+    """The loop's epoch iterator over `x`, with a clear error for an input without samples.
 
-    Not for per-worker input: there one worker's share may be empty while
-    others have data (`worker_sharding.agreed_steps`).
+    Keras' own loops fail deep inside on an empty input. Not checked for
+    per-worker input: there one worker's share may be empty while others have
+    data (`worker_sharding.agreed_steps`).
     """
+    epoch_iterator = _LoopIterator(x=x, shuffle=shuffle, backend_batches=_reads_backend_pipeline(strategy, shuffle),
+                                   **kwargs)
     if epoch_iterator.data_adapter.num_batches == 0 and not _per_worker_input(strategy, x):
         raise ValueError(f"`{method}` got an input without any samples: pass at least one sample.")
+    return epoch_iterator
 
 
 def _require_rows(batch: Any, method: str) -> None:
@@ -191,13 +195,10 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
         val_x, _ = keras_input(strategy, val_x)
 
-    strategy.extended._use_chief_input_rngs()  # before the first batch is read, to build the model
-    epoch_iterator = _LoopIterator(
-        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
-        shuffle=shuffle, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
-        backend_batches=_reads_backend_pipeline(strategy, shuffle),
+    epoch_iterator = _loop_iterator(
+        strategy, "fit", x, shuffle, y=y, sample_weight=sample_weight, batch_size=batch_size,
+        steps_per_epoch=steps_per_epoch, class_weight=class_weight, steps_per_execution=model.steps_per_execution,
     )
-    _require_samples(epoch_iterator, strategy, x, "fit")
     epoch_iterator.build_model(model)
     strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
@@ -217,6 +218,8 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         _set_mode(model, True)
         logs = {}
         stop = StopAgreement(model, strategy, "stop_training")
+        # Before the epoch's shuffle is drawn, when the chief's states are those of one process at
+        # this point (the peek that built the model drew from them as it does there).
         strategy.extended._use_chief_input_rngs()
         with worker_sharding.per_worker_input(per_worker):
             for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
@@ -257,12 +260,10 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
     x, _ = keras_input(strategy, x)
-    epoch_iterator = _LoopIterator(
-        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
-        shuffle=False, steps_per_execution=model.steps_per_execution,
-        backend_batches=_reads_backend_pipeline(strategy, False),
+    epoch_iterator = _loop_iterator(
+        strategy, "evaluate", x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
+        steps_per_execution=model.steps_per_execution,
     )
-    _require_samples(epoch_iterator, strategy, x, "evaluate")
     epoch_iterator.build_model(model, "test")
     strategy.extended._sync_variables_from_chief()
     epoch_iterator.reset()
@@ -294,11 +295,10 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
 
 def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
     x, _ = keras_input(strategy, x)
-    epoch_iterator = _LoopIterator(
-        x=x, batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
-        steps_per_execution=model.steps_per_execution, backend_batches=_reads_backend_pipeline(strategy, False),
+    epoch_iterator = _loop_iterator(
+        strategy, "predict", x, batch_size=batch_size, steps_per_epoch=steps,
+        steps_per_execution=model.steps_per_execution,
     )
-    _require_samples(epoch_iterator, strategy, x, "predict")
     callbacks = _callback_list(callbacks, model, strategy, verbose, epoch_iterator.num_batches)
     strategy.extended._sync_variables_from_chief()
     step = replica_step(model, strategy)
