@@ -155,9 +155,11 @@ class ReplicaContext:
         self._in_program = in_program
         self._gradient_weight = gradient_weight
         # Set by Keras' steps on replicas (`loss_reduction.py`): the replica's share of the
-        # global batch, and the row mask when it is handed to the loss as the sample weight.
+        # global batch, and the row mask when it is handed to the loss as the sample weight;
+        # whether a loss function returned one value for the whole shard (padding rows would enter it).
         self._loss_share = None
         self._padding_weight = None
+        self._scalar_loss = False
 
     @property
     def strategy(self) -> "Strategy":

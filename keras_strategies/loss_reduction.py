@@ -18,7 +18,9 @@ exact, per loss, also in models mixing reductions:
   `"mean_with_sample_weight"` loss divides by the element count as Keras does
   without sample weights. A loss of outputs carrying a Keras mask, which Keras
   divides by the batch's unmasked entries, is divided by those of the global
-  batch (summed over replicas and workers), padding rows excluded.
+  batch (summed over replicas and workers), padding rows excluded. A loss that
+  returns one value for the whole shard is noted on the replica context: no
+  weight can leave padding rows out of it.
 
 Outside our replica programs (no `_loss_share` on the replica context) Keras'
 functions run unchanged.
@@ -27,23 +29,13 @@ functions run unchanged.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any, Callable, Optional
 
 from keras import ops
 from keras.src.losses import loss as keras_loss
 
 from keras_strategies import context
-from keras_strategies.backend import engine
 from keras_strategies.row_mask import spread_rows
-
-SCALAR_LOSS_WARNING = (
-    "A loss function returned one value for the whole batch (a scalar) instead of one per sample. "
-    "This backend pads uneven shards to equal shapes, and a scalar loss cannot leave the padding "
-    "rows (copies of real rows) out, so steps on uneven shards differ slightly from one device. "
-    "Return one loss per sample (for example `ops.mean(..., axis=-1)`) and let Keras average them."
-)
-
 
 def enter_replica_loss(share: Any, row_mask: Any, sample_weight: Any) -> Any:
     """Sets this replica's share of the global batch; returns the sample weight for its loss.
@@ -101,11 +93,12 @@ def _wrap_weighted(original: Callable) -> Callable:
             return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
         values = ops.convert_to_tensor(values, dtype=dtype)
         padding = sample_weight is not None and sample_weight is replica_context._padding_weight
-        if padding and len(values.shape) == 0:
-            # Spread over the rows, the mask would also scale the loss by the share of real rows.
-            if engine.replicas.EQUAL_SHARDS:  # elsewhere only a replica without rows (share 0) pads
-                warnings.warn(SCALAR_LOSS_WARNING, stacklevel=2)
-            return original(values, sample_weight=None, mask=mask, reduction=reduction, dtype=dtype)
+        if len(values.shape) == 0:
+            # One value for the whole shard: padding rows cannot be left out of it, so Keras' steps
+            # run such a model on shards of their own sizes (`trainer/replica_step.py`).
+            replica_context._scalar_loss = True
+            if padding:  # spread over the rows, the mask would also scale the loss by the share of real rows
+                return original(values, sample_weight=None, mask=mask, reduction=reduction, dtype=dtype)
         if padding:
             sample_weight = spread_rows(sample_weight, values)
             if reduction == "mean_with_sample_weight" and mask is None:

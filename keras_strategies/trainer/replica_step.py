@@ -13,7 +13,10 @@ rows, or whatever each loss's reduction makes exact once weighted, see
 `loss_reduction.py`; padding rows, copies of real rows (`input/padding.py`),
 carry sample weight 0, the row mask when there are no user weights; weight regularisers count once in total; `add_loss`
 terms are taken as per-batch means, so constants and means are exact, while a
-term that *sums* over the batch is scaled by the shard's share).
+term that *sums* over the batch is scaled by the shard's share). No weight
+reaches padding rows in an `add_loss` term, a loss function's own batch mean or
+an overridden `compute_loss`: where the engine pads uneven shards to one shape
+(JAX), a model with such terms runs its uneven steps eagerly, unpadded.
 Gradients are summed across replicas, clipped by the optimizer after that sum,
 and applied once: inside the replica program with the backend's all-reduce
 when the strategy uses its default cross-device ops, else on the host with the
@@ -25,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+import warnings
+from typing import Any, Callable, Optional
 
+import keras
 import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
@@ -61,6 +66,10 @@ def as_tensors(structure: Any) -> Any:
     return tree.map_structure(lambda leaf: None if leaf is None else ops.convert_to_tensor(leaf), structure)
 
 
+def _overrides_compute_loss(model: Any) -> bool:
+    return getattr(type(model), "compute_loss", None) is not keras.Model.compute_loss
+
+
 def _output_masks(y_pred: Any) -> dict:
     """The Keras masks of the outputs, by flat index: they leave the replica program beside the
     predictions (a tensor's mask attribute does not) and are set again for the metrics."""
@@ -82,7 +91,7 @@ class Shards:
     """A global batch cut into per-replica shards, padded where the engine needs it."""
 
     def __init__(self, data: Any, num_replicas: int, with_targets: bool, num_workers: int = 1, worker_index: int = 0,
-                 worker_rows: Any = None):
+                 worker_rows: Any = None, equal_shapes: Optional[Callable[["Shards"], bool]] = None):
         data = tree.map_structure(lambda leaf: None if leaf is None else engine.replicas.batch_leaf(leaf), data)
         if with_targets:
             self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -96,14 +105,17 @@ class Shards:
             # The global batch is split over every replica of every worker; this worker takes
             # the consecutive shards of its own replicas, rows [offset, offset + local_rows).
             all_sizes = shard_sizes(self.batch, num_replicas * num_workers)
-            self.sizes = all_sizes[worker_index * num_replicas:(worker_index + 1) * num_replicas]
             self.offset = sum(all_sizes[:worker_index * num_replicas])
         else:
             self.batch = int(sum(worker_rows))
-            self.sizes = shard_sizes(worker_rows[worker_index], num_replicas)
+            all_sizes = [size for rows in worker_rows for size in shard_sizes(int(rows), num_replicas)]
             self.offset = int(sum(worker_rows[:worker_index]))
+        self.sizes = all_sizes[worker_index * num_replicas:(worker_index + 1) * num_replicas]
+        # The same on every worker: every worker takes the same path through a step.
+        self.uneven = len(set(all_sizes)) > 1
         self.local_rows = sum(self.sizes)
-        if engine.replicas.EQUAL_SHARDS:
+        equal = engine.replicas.EQUAL_SHARDS if equal_shapes is None else equal_shapes(self)
+        if equal:
             self.rows = [max(max(self.sizes), 1)] * num_replicas
         else:
             self.rows = [max(size, 1) for size in self.sizes]  # an empty replica runs one padding row
@@ -135,8 +147,10 @@ class Shards:
         return tree.map_structure(lambda leaf: leaf[:size], structure)
 
 
-def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool) -> Shards:
-    """This worker's shards of a global batch (of its own batch, with per-worker input)."""
+def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool,
+                equal_shapes: Optional[Callable[[Shards], bool]] = None) -> Shards:
+    """This worker's shards of a global batch (of its own batch, with per-worker input);
+    `equal_shapes(shards)` says whether to pad them to one shape (default: where the engine needs it)."""
     extended = strategy.extended
     worker_rows = None
     if worker_sharding.active():  # per-worker input: the workers tell each other their batch sizes
@@ -144,7 +158,8 @@ def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool) ->
         rows[extended._worker_index] = batch_size_of(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
         (rows,) = extended._cross_worker_sum([rows], "batch sizes of per-worker input")
         worker_rows = [int(round(float(r))) for r in ops.convert_to_numpy(rows)]
-    return Shards(data, num_local, with_targets, extended._num_workers, extended._worker_index, worker_rows)
+    return Shards(data, num_local, with_targets, extended._num_workers, extended._worker_index, worker_rows,
+                  equal_shapes)
 
 
 class ReplicaStep:
@@ -157,7 +172,7 @@ class ReplicaStep:
         self.cross_device_ops = strategy.extended._cross_device_ops
         self.reduce_in_program = getattr(strategy.extended, "_default_cross_device_ops", False)
         self.num_workers = strategy.extended._num_workers
-        compiled = not model.run_eagerly
+        self._compiled = compiled = not model.run_eagerly
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
         self._compiled_metrics = None
@@ -166,6 +181,16 @@ class ReplicaStep:
         self._train = make(self._replica_train)
         self._test = make(self._replica_test)
         self._predict = make(self._replica_predict)
+        # An engine whose compiled programs need one shard shape (JAX) pads uneven shards with rows
+        # of weight 0. Terms those weights cannot reach (an `add_loss` term, a loss function's own
+        # batch mean, an overridden `compute_loss`) would count the padding rows, so a model with
+        # such terms runs its steps on uneven shards eagerly, each shard at its own size.
+        self._uneven_runs: dict = {}
+        if compiled and engine.replicas.EQUAL_SHARDS:
+            eager = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=False)
+            self._uneven_runs = {"train": eager(self._replica_train), "test": eager(self._replica_test)}
+        self._padding_enters: dict = {}  # step kind -> whether padding rows would enter its objective
+        self._largest_batch, self._warned_eager = 0, False
 
     # --- what every replica runs (stateless) ----------------------------------------
     @contextlib.contextmanager
@@ -195,6 +220,10 @@ class ReplicaStep:
         count = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
         regularization = losses[len(losses) - count:] if count else []
         penalty = functools.reduce(ops.add, [model._aggregate_additional_loss(l) for l in regularization]) if regularization else 0.0
+        kind = "train" if training else "test"
+        self._padding_enters[kind] = self._padding_enters.get(kind, False) or bool(
+            len(losses) > count or context.get_replica_context()._scalar_loss or _overrides_compute_loss(model)
+        )
         weights = ops.cast(weights, keras_backend.standardize_dtype(total.dtype))  # a float64 model's loss too
         objective = (total - penalty) * weights[0] + penalty * weights[1]
         return objective * weights[2], (objective, (y_pred, _output_masks(y_pred)), new_non_trainable)
@@ -308,15 +337,51 @@ class ReplicaStep:
             return self._compiled_metrics(loss, batch, x, y, predictions, sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
-    def _shards(self, data: Any, with_targets: bool) -> Shards:
-        return make_shards(self.strategy, data, len(self.devices), with_targets)
+    def _shards(self, data: Any, with_targets: bool, equal_shapes: Optional[Callable[[Shards], bool]] = None) -> Shards:
+        if not self._compiled:  # eager replica threads take shards of any shapes
+            equal_shapes = lambda shards: False  # noqa: E731
+        return make_shards(self.strategy, data, len(self.devices), with_targets, equal_shapes)
+
+    def _run_on_replicas(self, kind: str, data: Any, loss_scale: float) -> tuple[Shards, list]:
+        """Shards the global batch and runs the `kind` step on the replicas: compiled, or, where
+        padding rows would enter the objective on uneven shards, eagerly on shards of their own sizes."""
+        compiled, eager_run = getattr(self, f"_{kind}"), self._uneven_runs.get(kind)
+
+        def run(shards: Shards, replica_function: Callable) -> list:
+            weights = self._weights(shards, loss_scale)
+            return replica_function(self._state(), [args + (w,) for args, w in zip(shards.per_replica, weights)])
+
+        if eager_run is None:
+            shards = self._shards(data, with_targets=True)
+            return shards, run(shards, compiled)
+        eager = lambda shards: shards.uneven and self._padding_enters.get(kind, False)  # noqa: E731
+        shards = self._shards(data, True, lambda shards: not eager(shards))
+        if kind == "train":
+            self._warn_if_every_step_is_eager(shards, eager(shards))
+        if eager(shards):
+            return shards, run(shards, eager_run)
+        outputs = run(shards, compiled)
+        if eager(shards):  # the objective was first traced just now, and padding rows entered it
+            shards = self._shards(data, True, lambda shards: False)
+            outputs = run(shards, eager_run)
+        return shards, outputs
+
+    def _warn_if_every_step_is_eager(self, shards: Shards, eager: bool) -> None:
+        """Eager steps are slower: fine for a partial last batch, worth a word when full batches are uneven."""
+        full = shards.batch >= self._largest_batch > 0
+        self._largest_batch = max(self._largest_batch, shards.batch)
+        if eager and full and not self._warned_eager:
+            self._warned_eager = True
+            replicas = self.strategy.num_replicas_in_sync
+            warnings.warn(
+                f"Batches of {shards.batch} rows do not split evenly over {replicas} replicas, and this model has "
+                "loss terms that padding rows would enter (an `add_loss` term, a loss function that returns one "
+                "value for the whole batch, or its own `compute_loss`), so its training steps run eagerly, which "
+                f"is slower. For compiled steps, use a batch size divisible by {replicas}.", stacklevel=3)
 
     def train_step(self, data: Any, stop_asked: bool = False) -> Any:
         model = self.model
-        shards = self._shards(data, with_targets=True)
-        weights = self._weights(shards, self._loss_scale())
-        per_replica = [args + (w,) for args, w in zip(shards.per_replica, weights)]
-        outputs = self._train(self._state(), per_replica)
+        shards, outputs = self._run_on_replicas("train", data, self._loss_scale())
         if self.reduce_in_program:  # every replica holds the sums: take the first replica's
             host = self.devices[0]
             grads = [engine.devices.copy_to(g, host) for g in outputs[0][0]]
@@ -341,9 +406,7 @@ class ReplicaStep:
         return self._update_metrics(shards, loss, global_predictions)
 
     def test_step(self, data: Any, stop_asked: bool = False) -> Any:
-        shards = self._shards(data, with_targets=True)
-        per_replica = [args + (w,) for args, w in zip(shards.per_replica, self._weights(shards, 1.0))]
-        outputs = self._test(self._state(), per_replica)
+        shards, outputs = self._run_on_replicas("test", data, 1.0)
         if self.reduce_in_program:
             loss = engine.devices.copy_to(outputs[0][0], self.devices[0])
         else:

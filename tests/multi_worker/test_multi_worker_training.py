@@ -19,9 +19,9 @@ from mw_launch import PROGRAMS, check, run_program
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
     GLOBAL_BATCH, LOOPS, N, build_embedding_model, build_mixed_model, build_model, build_own_steps_model,
-    build_sync_bn_model, build_two_output_model, data, embedding_run, guide_loop, keras_run, reshuffled_run, seeded_shuffle_run,
+    build_penalty_model, build_sync_bn_model, build_two_output_model, data, embedding_run, guide_loop, keras_run, reshuffled_run, seeded_shuffle_run,
     single_process_statistics,
-    stopped_run, two_output_run,
+    stopped_run, two_output_run, uneven_run,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -53,7 +53,7 @@ def run(request, tmp_path_factory):
 def test_every_worker_holds_identical_weights(run):
     _, _, (first, second) = run
     for key in ("fit_weights", "loop_weights", "bn_loop_weights", "embedding_loop_weights", "unsync_loop_weights",
-                "shuffled_weights", "own_weights", "bn_weights", "embedding_weights", "outputs_weights",
+                "shuffled_weights", "own_weights", "bn_weights", "penalty_weights", "embedding_weights", "outputs_weights",
                 "dropout_weights"):  # outputs: 2 x 1 only, dropout: 2 x 2 only
         for a, b in zip(_weights(first, key), _weights(second, key)):
             np.testing.assert_array_equal(a, b)
@@ -131,8 +131,9 @@ def test_a_one_worker_stop_within_an_epoch_stops_a_model_with_its_own_steps_at_t
 @pytest.mark.parametrize(
     "name, build, run_keras",
     [("fit", build_model, keras_run), ("own", build_own_steps_model, keras_run), ("bn", build_sync_bn_model, keras_run),
-     ("embedding", build_embedding_model, embedding_run)],
-    ids=["Keras steps", "model's own steps", "synchronized BatchNormalization", "Embedding with Adam"],
+     ("embedding", build_embedding_model, embedding_run), ("penalty", build_penalty_model, uneven_run)],
+    ids=["Keras steps", "model's own steps", "synchronized BatchNormalization", "Embedding with Adam",
+         "add_loss and synchronized BatchNormalization on uneven shards"],
 )
 def test_fit_evaluate_predict_equal_a_single_process_run(run, name, build, run_keras):
     out, _, results = run

@@ -99,8 +99,8 @@ class GlobalSumPenalty(keras.layers.Layer):
 def test_a_differentiable_all_reduce_in_a_custom_train_step_trains_exactly_like_one_device():
     # Each replica's gradients are weighted by its shard's share afterwards (shards [2, 1, 1],
     # then [1, 1, 0]): the all_reduce's backward pass must weigh the gradients it sums. Only
-    # `fit` runs the model's own step; `evaluate` runs Keras' (whose padding rows enter this
-    # data-dependent add_loss term on uneven shards, as the README says), so it is not compared.
+    # `fit` runs the model's own step; `evaluate` runs Keras', where the replica without rows
+    # runs a padding row (weight 0) whose inputs this all_reduce would sum, so it is not compared.
     def build():
         inputs = keras.Input((3,))
         hidden = GlobalSumPenalty()(keras.layers.Dense(4, activation="tanh")(inputs))

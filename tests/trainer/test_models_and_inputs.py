@@ -1,5 +1,7 @@
 """Models, layers and input types under MirroredStrategy (issue 3)."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -163,16 +165,53 @@ def test_a_model_trained_by_add_loss_alone_on_inputs_without_targets(model_class
         model(np.zeros((1, 3), "float32"))
         return model
 
-    x, _ = regression_data(12)  # batches of 6 on 3 replicas: even shards (JAX pads uneven ones)
-    model, reference = assert_same_fit(build, x, None, batch_size=6, replicas=3)
-    np.testing.assert_allclose(model.evaluate(x, batch_size=6, verbose=0), reference.evaluate(x, batch_size=6, verbose=0), **TOL)
-    np.testing.assert_allclose(model.predict(x, batch_size=6, verbose=0), reference.predict(x, batch_size=6, verbose=0), **TOL)
+    x, _ = regression_data(13)  # batches of 5 on 3 replicas: uneven shards (2, 2, 1), then (1, 1, 1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*do not split evenly")  # JAX runs these steps eagerly
+        model, reference = assert_same_fit(build, x, None, batch_size=5, replicas=3)
+    np.testing.assert_allclose(model.evaluate(x, batch_size=5, verbose=0), reference.evaluate(x, batch_size=5, verbose=0), **TOL)
+    np.testing.assert_allclose(model.predict(x, batch_size=5, verbose=0), reference.predict(x, batch_size=5, verbose=0), **TOL)
 
 
 def test_subclassed_model_with_add_loss_counts_each_term_once():
-    # 10 samples with batch 4 on 2 replicas: even shards (2+2, then 1+1), so the data-mean term
-    # is exact on every backend (JAX pads uneven shards, and padding rows would enter that mean).
+    # 10 samples with batch 4 on 2 replicas: even shards (2+2, then 1+1).
     assert_same_training(penalised_model, *regression_data(10), batch_size=4, replicas=2)
+
+
+def test_a_data_mean_add_loss_term_is_exact_on_a_partial_last_batch():
+    # 10 samples with batch 6 on 3 replicas: even shards, then a partial batch of 4 (2, 1, 1). JAX
+    # pads uneven shards to one shape for its compiled program, and padding rows would enter the
+    # data-mean term: that step runs eagerly on unpadded shards, the full ones stay compiled.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*do not split evenly")  # only the last batch is uneven
+        assert_same_training(penalised_model, *regression_data(10), batch_size=6, replicas=3)
+
+
+class OwnLoss(keras.Model):
+    """Overrides `compute_loss` with a term over the whole batch it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.1 * ops.mean(ops.abs(y_pred))
+
+
+def test_an_overridden_compute_loss_trains_like_one_device_on_uneven_shards():
+    def build():
+        model = OwnLoss()
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1), metrics=["mae"])
+        model(np.zeros((1, 3), "float32"))
+        return model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*do not split evenly")  # JAX runs these steps eagerly
+        assert_same_training(build, *regression_data(11), batch_size=4, replicas=3)
 
 
 class Batches(keras.utils.PyDataset):

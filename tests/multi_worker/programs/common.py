@@ -24,6 +24,41 @@ def build_model():
     return model
 
 
+class BatchPenalty(keras.layers.Layer):
+    """A data-dependent `add_loss` term: a mean over the rows the layer sees."""
+
+    def call(self, inputs):
+        self.add_loss(0.05 * ops.mean(ops.square(inputs)))
+        return inputs
+
+
+def build_penalty_model():
+    """Synchronized BatchNormalization and a data-dependent `add_loss` term, which padding rows
+    would enter: on JAX its steps on uneven shards run eagerly, on unpadded shards."""
+    model = keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(8, use_bias=False),
+        keras.layers.BatchNormalization(synchronized=True),
+        keras.layers.Activation("tanh"),
+        BatchPenalty(),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model
+
+
+def uneven_run(model, x, y):
+    """`keras_run` with a global batch of 15: uneven shards at every step (the last batch has 5 rows)."""
+    history = model.fit(x, y, batch_size=15, epochs=2, shuffle=False, verbose=0)
+    return {
+        "loss": history.history["loss"],
+        "mae": history.history["mae"],
+        "weights": model.get_weights(),
+        "evaluate": model.evaluate(x, y, batch_size=15, verbose=0),
+        "predict": np.asarray(model.predict(x, batch_size=15, verbose=0)),
+    }
+
+
 def build_sync_bn_model(synchronized=True):
     """Batch statistics over the whole global batch, i.e. over every replica of every worker."""
     model = keras.Sequential([

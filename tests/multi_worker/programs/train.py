@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import sys
+import warnings
 
 import keras_strategies as ks
 
@@ -23,8 +24,8 @@ from keras import ops  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     GLOBAL_BATCH, LOOPS, build_embedding_model, build_mixed_model, build_model, build_own_steps_model,
-    build_sync_bn_model, build_two_output_model, data, dropout_counts, embedding_run, global_batch_sizes, guide_loop, keras_run,
-    reshuffled_run, seeded_shuffle_run, stopped_run, two_output_run,
+    build_penalty_model, build_sync_bn_model, build_two_output_model, data, dropout_counts, embedding_run, global_batch_sizes,
+    guide_loop, keras_run, reshuffled_run, seeded_shuffle_run, stopped_run, two_output_run, uneven_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -99,6 +100,11 @@ run_keras("own", build_own_steps_model)
 
 # Synchronized BatchNormalization: statistics of the global batch, across workers.
 run_keras("bn", build_sync_bn_model)
+
+# Synchronized BatchNormalization and a data-dependent add_loss term on uneven shards at every step.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*do not split evenly")  # on JAX these steps run eagerly
+    run_keras("penalty", build_penalty_model, uneven_run)
 
 # An Embedding with Adam (IndexedSlices gradients on TensorFlow).
 run_keras("embedding", build_embedding_model, embedding_run)
