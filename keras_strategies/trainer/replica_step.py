@@ -91,7 +91,7 @@ class Shards:
     """A global batch cut into per-replica shards, padded where the engine needs it."""
 
     def __init__(self, data: Any, num_replicas: int, with_targets: bool, num_workers: int = 1, worker_index: int = 0,
-                 worker_rows: Any = None, equal_shapes: Optional[Callable[["Shards"], bool]] = None):
+                 worker_rows: Any = None, equal_shapes: Optional[bool] = None):
         data = tree.map_structure(lambda leaf: None if leaf is None else engine.replicas.batch_leaf(leaf), data)
         if with_targets:
             self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -114,19 +114,22 @@ class Shards:
         # The same on every worker: every worker takes the same path through a step.
         self.uneven = len(set(all_sizes)) > 1
         self.local_rows = sum(self.sizes)
-        equal = engine.replicas.EQUAL_SHARDS if equal_shapes is None else equal_shapes(self)
-        if equal:
-            self.rows = [max(max(self.sizes), 1)] * num_replicas
-        else:
-            self.rows = [max(size, 1) for size in self.sizes]  # an empty replica runs one padding row
-        self.padded = self.rows != self.sizes
         local = (self.x, self.y, self.sample_weight)
         if num_workers > 1 and self.global_input:
             local = tree.map_structure(
                 lambda leaf: None if leaf is None else leaf[self.offset:self.offset + self.local_rows], local
             )
         self.local = local  # this worker's rows, unpadded
-        pieces = split_batch(local, self.sizes)
+        self.cut(engine.replicas.EQUAL_SHARDS if equal_shapes is None else equal_shapes)
+
+    def cut(self, equal_shapes: bool) -> "Shards":
+        """Cuts `per_replica`: padded to one shape (`equal_shapes`) or each at its own size."""
+        if equal_shapes:
+            self.rows = [max(max(self.sizes), 1)] * len(self.sizes)
+        else:
+            self.rows = [max(size, 1) for size in self.sizes]  # an empty replica runs one padding row
+        self.padded = self.rows != self.sizes
+        pieces = split_batch(self.local, self.sizes)
         source = padding.source_rows((self.x, self.y)) if self.padded else None
         self.per_replica = []
         for (x, y, weight), size, rows in zip(pieces, self.sizes, self.rows):
@@ -137,6 +140,7 @@ class Shards:
                 x, y = padding.pad_with_copies((x, y), rows, source)
                 weight = padding.pad_with_zeros(weight, rows)
             self.per_replica.append((x, y, weight, mask))
+        return self
 
     @property
     def active(self) -> list[int]:
@@ -148,9 +152,9 @@ class Shards:
 
 
 def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool,
-                equal_shapes: Optional[Callable[[Shards], bool]] = None) -> Shards:
-    """This worker's shards of a global batch (of its own batch, with per-worker input);
-    `equal_shapes(shards)` says whether to pad them to one shape (default: where the engine needs it)."""
+                equal_shapes: Optional[bool] = None) -> Shards:
+    """This worker's shards of a global batch (of its own batch, with per-worker input), padded to
+    one shape if `equal_shapes` (default: where the engine needs it)."""
     extended = strategy.extended
     worker_rows = None
     if worker_sharding.active():  # per-worker input: the workers tell each other their batch sizes
@@ -337,33 +341,30 @@ class ReplicaStep:
             return self._compiled_metrics(loss, batch, x, y, predictions, sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
-    def _shards(self, data: Any, with_targets: bool, equal_shapes: Optional[Callable[[Shards], bool]] = None) -> Shards:
-        if not self._compiled:  # eager replica threads take shards of any shapes
-            equal_shapes = lambda shards: False  # noqa: E731
-        return make_shards(self.strategy, data, len(self.devices), with_targets, equal_shapes)
+    def _shards(self, data: Any, with_targets: bool) -> Shards:
+        # Eager replica threads take shards of any shapes; compiled programs, what the engine needs.
+        return make_shards(self.strategy, data, len(self.devices), with_targets, None if self._compiled else False)
 
     def _run_on_replicas(self, kind: str, data: Any, loss_scale: float) -> tuple[Shards, list]:
         """Shards the global batch and runs the `kind` step on the replicas: compiled, or, where
         padding rows would enter the objective on uneven shards, eagerly on shards of their own sizes."""
         compiled, eager_run = getattr(self, f"_{kind}"), self._uneven_runs.get(kind)
+        shards = self._shards(data, with_targets=True)
 
-        def run(shards: Shards, replica_function: Callable) -> list:
+        def run(replica_function: Callable) -> list:
             weights = self._weights(shards, loss_scale)
             return replica_function(self._state(), [args + (w,) for args, w in zip(shards.per_replica, weights)])
 
         if eager_run is None:
-            shards = self._shards(data, with_targets=True)
-            return shards, run(shards, compiled)
-        eager = lambda shards: shards.uneven and self._padding_enters.get(kind, False)  # noqa: E731
-        shards = self._shards(data, True, lambda shards: not eager(shards))
+            return shards, run(compiled)
+        eager = lambda: shards.uneven and self._padding_enters.get(kind, False)  # noqa: E731
         if kind == "train":
-            self._warn_if_every_step_is_eager(shards, eager(shards))
-        if eager(shards):
-            return shards, run(shards, eager_run)
-        outputs = run(shards, compiled)
-        if eager(shards):  # the objective was first traced just now, and padding rows entered it
-            shards = self._shards(data, True, lambda shards: False)
-            outputs = run(shards, eager_run)
+            self._warn_if_every_step_is_eager(shards, eager())
+        outputs = None if eager() else run(compiled)
+        # Also when the objective was first traced just now, and padding rows entered it.
+        if eager():
+            shards.cut(equal_shapes=False)
+            outputs = run(eager_run)
         return shards, outputs
 
     def _warn_if_every_step_is_eager(self, shards: Shards, eager: bool) -> None:
