@@ -46,7 +46,9 @@ class _Steps:
 def replica_step(model: Any, strategy: Any) -> _Steps:
     """The model's step runners, rebuilt when the model is recompiled."""
     step = getattr(model, _STEP_ATTR, None)
-    key = (id(strategy), id(model.optimizer), id(model._compile_loss), model.run_eagerly)
+    key = (  # an uncompiled model (`predict` needs no `compile`) has neither attribute
+        id(strategy), id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)), model.run_eagerly
+    )
     if step is None or step._key != key:
         step = _Steps(model, strategy)
         step._key = key
@@ -259,6 +261,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     kwargs.pop("_use_cached_eval_dataset", None)
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
+    model._assert_compile_called("evaluate")  # Keras' error (its torch trainer has none)
     x, _ = keras_input(strategy, x)
     epoch_iterator = _loop_iterator(
         strategy, "evaluate", x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,

@@ -190,6 +190,22 @@ def test_on_batch_methods_equal_one_device():
     np.testing.assert_allclose(model.predict_on_batch(x), reference.predict_on_batch(x), **TOL)
 
 
+
+def test_an_uncompiled_model_predicts_and_asks_for_compile_elsewhere():
+    # `predict` needs no `compile` in Keras; it failed under a strategy with "no attribute
+    # 'optimizer'", as did `evaluate` (which Keras' torch trainer also lets through unchecked).
+    x, _ = regression_data(7)
+    reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"]).scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.set_weights(reference.get_weights())
+    np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0), reference.predict(x, verbose=0), **TOL)
+    np.testing.assert_allclose(model.predict_on_batch(x), reference.predict_on_batch(x), **TOL)
+    for call in (lambda: model.evaluate(x, x[:, :2], verbose=0), lambda: model.fit(x, x[:, :2], verbose=0),
+                 lambda: model.train_on_batch(x, x[:, :2]), lambda: model.test_on_batch(x, x[:, :2])):
+        with pytest.raises(ValueError, match=r"You must call `compile\(\)`"):
+            call()
+
 def test_per_batch_logs_equal_one_device():
     """11 samples, batch 4, 2 replicas: the last batch splits [2, 1] (reference §2.8)."""
     x = np.arange(11, dtype="float32").reshape(11, 1) / 10.0
