@@ -85,6 +85,18 @@ def install() -> None:
 _COMPILED = "_ks_compiled_apply"
 
 
+class _Apply:
+    """`optimizer.apply(grads, variables)` as an object, not a lambda: TF counts traces per code
+    object, and one lambda's first traces for every optimizer added up to a warning of
+    "frequent retracing"."""
+
+    def __init__(self, optimizer, variables):
+        self.optimizer, self.variables = optimizer, variables
+
+    def __call__(self, grads):
+        return self.optimizer.apply(grads, self.variables)
+
+
 def apply_gradients(optimizer, grads, variables) -> None:
     """Applies `grads` to `variables` with `optimizer` (one update): Keras' `apply` in a
     `tf.function`, cached per optimizer and variable list (eagerly it costs hundreds of ops)."""
@@ -94,6 +106,6 @@ def apply_gradients(optimizer, grads, variables) -> None:
     key = tuple(id(v) for v in variables)
     cached = getattr(optimizer, _COMPILED, None)
     if cached is None or cached[0] != key:
-        cached = (key, tf.function(lambda grads: optimizer.apply(grads, variables)))
+        cached = (key, tf.function(_Apply(optimizer, variables)))
         object.__setattr__(optimizer, _COMPILED, cached)
     cached[1](list(grads))

@@ -7,6 +7,8 @@ all-reduce, differentiable as in `tf.distribute`.
 
 from __future__ import annotations
 
+import functools
+
 
 from typing import Any, Callable, Sequence
 
@@ -141,7 +143,11 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
 
         return strategy.run(replica_fn, args=(shared, distributed))
 
-    step = tf.function(step, reduce_retracing=True) if compiled else step
+    if compiled:
+        # A partial has no `__code__`: TF counts traces per code object, so every replicated step
+        # (train, test, predict, of every model) would share one count and warn of "frequent
+        # retracing" after a few first traces; this way each function has its own count.
+        step = tf.function(functools.partial(step), reduce_retracing=True)
 
     def run(shared: tuple, per_replica: Sequence[tuple]) -> list:
         distributed = strategy.experimental_distribute_values_from_function(
