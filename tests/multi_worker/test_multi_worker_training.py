@@ -10,6 +10,7 @@ import functools
 import os
 import sys
 
+import keras
 import numpy as np
 import pytest
 
@@ -261,3 +262,24 @@ def test_a_shuffled_fit_with_validation_draws_the_order_of_one_process_seeded_li
     out, _, results = run
     _assert_equal_to_one_process(out, results, "seeded_shuffle", build_model,
                                  functools.partial(seeded_shuffle_run, seed=300), ("loss", "val_loss"))
+
+
+if keras.backend.backend() == "torch":  # `TorchModuleWrapper` exists on PyTorch only (not skipped elsewhere: absent)
+
+    def test_torch_module_buffers_are_averaged_over_every_replica_of_every_worker(run):
+        _, devices_per_worker, (first, second) = run
+        replicas = 2 * devices_per_worker
+        for a, b in zip(_weights(first, "torch_buffers"), _weights(second, "torch_buffers")):
+            np.testing.assert_array_equal(a, b)
+        x, _ = data()
+        mean, var = np.zeros(5), np.ones(5)
+        for start in range(0, 46, GLOBAL_BATCH):
+            batch = x[start:min(start + GLOBAL_BATCH, 46)]
+            sizes = [len(batch) // replicas + (i < len(batch) % replicas) for i in range(replicas)]
+            shards = np.split(batch, np.cumsum(sizes)[:-1])
+            mean = np.mean([0.9 * mean + 0.1 * shard.mean(0) for shard in shards], 0)
+            var = np.mean([0.9 * var + 0.1 * shard.var(0, ddof=1) for shard in shards], 0)
+        running_mean, running_var, batches = _weights(first, "torch_buffers")
+        np.testing.assert_allclose(running_mean, mean, **TOL)
+        np.testing.assert_allclose(running_var, var, **TOL)
+        assert int(batches) == 3

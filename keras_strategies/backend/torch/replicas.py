@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keras_strategies import replica_threads
+from keras_strategies.backend.torch import module_buffers
 from keras_strategies.backend.torch.devices import torch_device
 
 # Replicas may have different shard sizes: each runs its own shard unpadded.
@@ -137,13 +138,20 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
     parameters = [v.value for v in variables if v.trainable and isinstance(v.value, torch.Tensor)]
 
     def run(shared: tuple, per_replica: Sequence[tuple]) -> list:
-        if len(devices) == 1:
-            return [fn(0, *shared, *per_replica[0])]
-        return replica_threads.run(
-            lambda i: fn(i, *shared, *per_replica[i]),
-            len(devices),
-            lambda i: torch.device(torch_device(devices[i])),
-            _PrivateGrads(parameters, len(devices)) if parameters else None,
-        )
+        try:
+            if len(devices) == 1:
+                results = [fn(0, *shared, *per_replica[0])]
+            else:
+                results = replica_threads.run(
+                    lambda i: fn(i, *shared, *per_replica[i]),
+                    len(devices),
+                    lambda i: torch.device(torch_device(devices[i])),
+                    _PrivateGrads(parameters, len(devices)) if parameters else None,
+                )
+        except BaseException:
+            module_buffers.discard()
+            raise
+        module_buffers.combine()  # wrapped torch modules' buffers, from the replicas' copies
+        return results
 
     return run

@@ -10,6 +10,7 @@ from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.utils.torch_utils import TorchModuleWrapper
 
 from keras_strategies import context
+from keras_strategies.backend.torch import module_buffers
 
 # The step writes the model's variables itself (see `keras_strategies.replica_variables`).
 STATEFUL_STEPS = True
@@ -69,6 +70,11 @@ def _wrap_torch_module_call(original: Callable) -> Callable:
             if value is not None:
                 values[name] = value
         self.train(training is not False)
+        replica_context = context.get_replica_context()
+        if training is not False and replica_context is not None and replica_context.num_replicas_in_sync > 1:
+            # Its buffers too, each replica its own copies (combined when the replicas are done).
+            rows = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].ndim else None
+            values.update(module_buffers.replica_copies(self, replica_context, rows))
         return torch.func.functional_call(self.module, values, args, kwargs, strict=False)
 
     call._ks_original = original

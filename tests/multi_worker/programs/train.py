@@ -251,6 +251,18 @@ if strategy.num_replicas_in_sync == 2:
     keras.models.save_model(model, os.path.join(own_dir, "models_function.keras"))
     keras.saving.save_weights(model, os.path.join(own_dir, "saving_function.weights.h5"))
 
+# PyTorch: a wrapped torch module's buffers (BatchNorm1d's running statistics; Keras does not track
+# them) are updated on each replica's own copies and averaged over every replica of every worker.
+if keras.backend.backend() == "torch":
+    with strategy.scope():
+        torch.manual_seed(0)
+        batch_norm = torch.nn.BatchNorm1d(5)
+        torch_bn_model = keras.Sequential([keras.Input((5,)), keras.layers.TorchModuleWrapper(batch_norm), keras.layers.Dense(1)])
+        torch_bn_model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.0))
+    # 46 rows: the last global batch of 14 splits 7, 7 (2 x 1) or 4, 4, 3, 3 (2 x 2), none below 2 rows.
+    torch_bn_model.fit(x[:46], y[:46], batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    results["torch_buffers"] = [b.detach().numpy().astype("float64") for b in batch_norm.buffers()]
+
 # A second strategy for the same cluster (a notebook cell run again) shares the cluster this
 # process joined; one for another cluster is refused before it touches the engine (2 x 1 only).
 if strategy.num_replicas_in_sync == 2:
