@@ -7,14 +7,16 @@ outside every strategy scope behave exactly as without this package.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from keras.src.backend.common import variables as keras_variables
+from keras.src.layers import layer as keras_layer
 from keras.src.models import model as keras_model
 from keras.src.trainers import trainer as keras_trainer
 
-from keras_strategies import context
+from keras_strategies import context, replica_variables
 
 # Model methods whose work runs under the model's strategy.
 KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
@@ -39,6 +41,55 @@ def _wrap_init(original: Callable) -> Callable:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         _record_current_strategy(self)
+
+    __init__._ks_original = original
+    return __init__
+
+
+@contextlib.contextmanager
+def _as_in_scope(strategy: Any) -> Iterator[None]:
+    """Where state first needed inside `strategy.run` is created: as in `strategy.scope()`.
+
+    In a replica's stateless scope Keras would defer a new variable (every
+    read before the replica ends draws new initial values) and the other
+    replicas could not share it. tf.distribute lets a layer build on its first
+    call inside `run` (TensorFlow's custom-training guide does), so the build
+    runs outside the replica: outside its stateless scope and any compiled
+    trace, in cross-replica context (no collectives), on the primary device.
+    """
+    from keras_strategies.backend import engine  # noqa: PLC0415 - the engine imports these hooks' users
+
+    with replica_variables.outside_stateless_scopes(), context.enter_frame(strategy, None), \
+            engine.compiler.outside_compiled(), strategy.extended._scope_placement():
+        yield
+        # Several workers: every worker builds at the same point; all take the chief's values.
+        strategy.extended._sync_variables_from_chief()
+
+
+def _wrap_maybe_build(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _maybe_build(self, call_spec):
+        if self.built or not replica_variables.in_replica_scope():
+            return original(self, call_spec)
+        with _as_in_scope(context.get_strategy()):
+            return original(self, call_spec)
+
+    _maybe_build._ks_original = original
+    return _maybe_build
+
+
+def _wrap_variable_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        if not replica_variables.in_replica_scope():
+            original(self, *args, **kwargs)
+            _record_current_strategy(self)
+            return
+        # Created by the replica function itself (a metric, a seed generator, `keras.Variable`).
+        strategy = context.get_strategy()
+        with _as_in_scope(strategy):
+            original(self, *args, **kwargs)
+            _record_current_strategy(self)
 
     __init__._ks_original = original
     return __init__
@@ -96,11 +147,12 @@ def _wrap_method(name: str, original: Callable) -> Callable:
 def install() -> None:
     """Installs the hooks (idempotent)."""
     trainer_cls, model_cls = keras_trainer.Trainer, keras_model.Model
-    variable_cls = keras_variables.Variable
+    variable_cls, layer_cls = keras_variables.Variable, keras_layer.Layer
     if hasattr(trainer_cls.__init__, "_ks_original"):
         return
     trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
-    variable_cls.__init__ = _wrap_init(variable_cls.__init__)
+    variable_cls.__init__ = _wrap_variable_init(variable_cls.__init__)
+    layer_cls._maybe_build = _wrap_maybe_build(layer_cls._maybe_build)
     # On Trainer itself: Keras' `compile_from_config` compares `cls.compile` with `Trainer.compile`.
     trainer_cls.compile = _wrap_compile(trainer_cls.compile)
     for name in KERAS_METHODS:

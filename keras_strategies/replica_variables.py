@@ -85,6 +85,15 @@ class ReplicaScope(RecordingScope):
         return cached[1]
 
 
+def in_replica_scope() -> bool:
+    """Whether the caller runs inside a replica's scope, also through Keras' own nested stateless
+    scopes (a layer's first call builds it inside one, `compute_output_spec`)."""
+    scope = get_stateless_scope()
+    while scope is not None and not isinstance(scope, ReplicaScope):
+        scope = getattr(scope, "parent", None) or getattr(scope, "original_scope", None)
+    return scope is not None
+
+
 def weigh_writes(variables: Sequence[Any], weight: Callable[[], Any]) -> None:
     """Weighs the calling replica's writes of `variables` (e.g. 0 for statistics of an empty shard).
 
@@ -98,6 +107,18 @@ def weigh_writes(variables: Sequence[Any], weight: Callable[[], Any]) -> None:
         value = weight()
         for variable in variables:
             scope.weigh(variable, value)
+
+
+@contextlib.contextmanager
+def outside_stateless_scopes() -> Iterator[None]:
+    """Leaves every stateless scope (the replica's and Keras' own nested in it): a variable
+    created there is a real one, initialized at once, as outside `strategy.run`."""
+    scope = get_stateless_scope()
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", scope)
 
 
 @contextlib.contextmanager

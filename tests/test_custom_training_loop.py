@@ -250,3 +250,47 @@ def test_add_loss_terms_count_on_every_replica_in_the_guide_loop():
     np.testing.assert_allclose(losses, expected_losses, **TOL)
     for got, expected in zip(weights, expected_weights):
         np.testing.assert_allclose(got, expected, **TOL)
+
+
+def run_lazily_built_loop(strategy, steps=3):
+    """A model without `keras.Input`, as in TensorFlow's custom-training guide: it builds on its
+    first call, inside `strategy.run`."""
+    keras.utils.set_random_seed(5)
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.Adam(0.05)
+    x, y = regression_data(24)
+    dataset = strategy.make_experimental_numpy_dataset((x, y)).batch(8)
+
+    def train_step(inputs):
+        features, labels = inputs
+        model(features)  # builds the model on the first step (replica 0), a forward pass after that
+
+        def loss_fn():
+            per_example_loss = ops.mean(ops.square(model(features, training=True) - labels), axis=-1)
+            return ks.compute_average_loss(per_example_loss, global_batch_size=8)
+
+        loss, gradients = ks.value_and_grad(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @ks.function
+    def distributed_train_step(inputs):
+        return strategy.reduce("sum", strategy.run(train_step, args=(inputs,)), axis=None)
+
+    losses = []
+    for _ in range(steps):
+        losses += [float(ops.convert_to_numpy(distributed_train_step(inputs))) for inputs in strategy.experimental_distribute_dataset(dataset)]
+    return losses, model.get_weights()
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_model_built_on_its_first_call_inside_run_trains_like_one_device(replicas):
+    # Its variables were created in the first replica's stateless scope, where Keras defers them:
+    # the other replicas read fresh initial values (TensorFlow: an AttributeError, PyTorch: "does
+    # not require grad", JAX: wrong values). They are now created as in `strategy.scope()`.
+    expected_losses, expected_weights = run_lazily_built_loop(ks.get_strategy())
+    losses, weights = run_lazily_built_loop(ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]))
+    np.testing.assert_allclose(losses, expected_losses, **TOL)
+    for got, expected in zip(weights, expected_weights):
+        np.testing.assert_allclose(got, expected, **TOL)

@@ -264,6 +264,17 @@ def test_a_shuffled_fit_with_validation_draws_the_order_of_one_process_seeded_li
                                  functools.partial(seeded_shuffle_run, seed=300), ("loss", "val_loss"))
 
 
+def test_a_model_built_inside_run_takes_the_chiefs_initial_values_at_once(run):
+    _, _, (first, second) = run
+    kernel, bias, out_kernel, out_bias = _weights(first, "lazy_weights")
+    for a, b in zip(_weights(first, "lazy_weights"), _weights(second, "lazy_weights")):
+        np.testing.assert_array_equal(a, b)  # the workers seeded differently: these are the chief's
+    x, _ = data()
+    expected = np.tanh(x[:GLOBAL_BATCH] @ kernel + bias) @ out_kernel + out_bias
+    for worker in (first, second):
+        np.testing.assert_allclose(worker["lazy_outputs"], expected, **TOL)
+
+
 if keras.backend.backend() == "torch":  # `TorchModuleWrapper` exists on PyTorch only (not skipped elsewhere: absent)
 
     def test_torch_module_buffers_are_averaged_over_every_replica_of_every_worker(run):

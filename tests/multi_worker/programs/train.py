@@ -71,6 +71,17 @@ run_loop("bn_loop")
 # as TF does; Adam's slots are created inside the compiled step.
 run_loop("embedding_loop")
 
+# A model without `keras.Input` builds on its first call, inside `strategy.run` (as in TensorFlow's
+# custom-training guide; compiled on TensorFlow): every worker creates its variables there, as in
+# `strategy.scope()`, and takes the chief's values at once, before any replica reads them.
+keras.utils.set_random_seed(200 + task_id)  # `fit` gave every worker the chief's RNG states: differ again
+with strategy.scope():
+    lazy_model = keras.Sequential([keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+lazy_batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH))
+lazy_outputs = ks.function(lambda features: strategy.run(lazy_model, args=(features,)))(next(iter(lazy_batches)))
+results["lazy_outputs"] = ops.convert_to_numpy(strategy.gather(lazy_outputs, axis=0))
+results["lazy_weights"] = lazy_model.get_weights()
+
 # A custom loop with metrics and unsynchronized BatchNormalization: the values written in
 # strategy.run combine across workers (metric totals add up, moving statistics average).
 with strategy.scope():
