@@ -25,7 +25,11 @@ def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *args: Any,
     """
     variables = list(variables)
     if not variables:
-        raise ValueError("value_and_grad needs at least one variable, e.g. model.trainable_variables.")
+        raise ValueError(
+            "value_and_grad needs at least one variable, e.g. model.trainable_variables. A model "
+            "has none until it is built: call it once on a batch (or `model.build(input_shape)`) "
+            "before listing its variables."
+        )
     return engine.gradients.variables_value_and_grad(fn, variables, args, kwargs)
 
 

@@ -46,6 +46,9 @@ def test_batch_norm_statistics_are_updated_by_a_gradient_step():
 def test_value_and_grad_needs_variables():
     with pytest.raises(ValueError, match="at least one variable"):
         ks.value_and_grad(lambda: 0.0, [])
+    unbuilt = keras.Sequential([keras.layers.Dense(1)])  # the guide's model lists none before its first call
+    with pytest.raises(ValueError, match=r"call it once on a batch \(or `model.build\(input_shape\)`\)"):
+        ks.value_and_grad(lambda: ops.sum(unbuilt(np.ones((2, 3), "float32"))), unbuilt.trainable_variables)
 
 
 def test_function_wraps_a_step_that_runs():
