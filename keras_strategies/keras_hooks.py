@@ -54,13 +54,14 @@ def _as_in_scope(strategy: Any) -> Iterator[None]:
     read before the replica ends draws new initial values) and the other
     replicas could not share it. tf.distribute lets a layer build on its first
     call inside `run` (TensorFlow's custom-training guide does), so the build
-    runs outside the replica: outside its stateless scope and any compiled
-    trace, in cross-replica context (no collectives), on the primary device.
+    runs outside the replica: outside its stateless scope, any compiled trace
+    and the backend's own replica context, in cross-replica context (no
+    collectives), on the primary device.
     """
     from keras_strategies.backend import engine  # noqa: PLC0415 - the engine imports these hooks' users
 
     with replica_variables.outside_stateless_scopes(), context.enter_frame(strategy, None), \
-            engine.compiler.outside_compiled(), strategy.extended._scope_placement():
+            engine.compiler.outside_replicas(), strategy.extended._scope_placement():
         yield
         # Several workers: every worker builds at the same point; all take the chief's values.
         strategy.extended._sync_variables_from_chief()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 
 def compile_function(fn: Callable) -> Callable:
@@ -33,3 +35,23 @@ def outside_compiled() -> Any:
     Variables created there exist once, eagerly, whichever trace asked for them.
     """
     return tf.init_scope()
+
+
+def _plain_variable(next_creator: Callable, **kwargs: Any) -> tf.Variable:
+    """One `tf.Variable`, whatever `tf.distribute` strategy the caller runs under."""
+    kwargs.pop("distribute_strategy", None)
+    return resource_variable_ops.ResourceVariable(**kwargs)
+
+
+@contextlib.contextmanager
+def outside_replicas() -> Iterator[None]:
+    """Runs its block outside any trace and outside TensorFlow's own replica context.
+
+    A variable created there is one plain `tf.Variable`, as in a strategy's
+    `scope()`: created in the replica context of the engine's
+    `tf.distribute.MirroredStrategy` it would be a `MirroredVariable`, whose
+    assignment from one replica (the chief's values) reaches that replica's
+    copy only.
+    """
+    with tf.init_scope(), tf.variable_creator_scope(_plain_variable):
+        yield

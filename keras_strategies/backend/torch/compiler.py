@@ -23,3 +23,8 @@ def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
 def outside_compiled() -> contextlib.AbstractContextManager:
     """Nothing to leave: a user's step runs eagerly here (see `compile_step`)."""
     return contextlib.nullcontext()
+
+
+def outside_replicas() -> contextlib.AbstractContextManager:
+    """Nothing to leave: replicas here run eagerly and create plain variables."""
+    return contextlib.nullcontext()
