@@ -55,8 +55,9 @@ def _as_in_scope(strategy: Any) -> Iterator[None]:
     replicas could not share it. tf.distribute lets a layer build on its first
     call inside `run` (TensorFlow's custom-training guide does), so the build
     runs outside the replica: outside its stateless scope, any compiled trace
-    and the backend's own replica context, in cross-replica context (no
-    collectives), on the primary device.
+    and the backend's own replica context, in cross-replica context (a build
+    that calls the layer symbolically meets no other replica at a collective),
+    on the primary device.
     """
     from keras_strategies.backend import engine  # noqa: PLC0415 - the engine imports these hooks' users
 

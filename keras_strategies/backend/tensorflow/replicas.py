@@ -8,8 +8,6 @@ all-reduce, differentiable as in `tf.distribute`.
 from __future__ import annotations
 
 import functools
-
-
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
