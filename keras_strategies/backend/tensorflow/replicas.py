@@ -7,8 +7,10 @@ all-reduce, differentiable as in `tf.distribute`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Sequence
+import logging
+from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 from keras.src import tree
@@ -128,6 +130,28 @@ def onto(value: Any, like: Any) -> Any:
     return value
 
 
+class _EagerOverheadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eagerly has significant overhead" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_eager_overhead_warning() -> Iterator[None]:
+    """Hides TF's "Using MirroredStrategy eagerly has significant overhead" for our eager runs.
+
+    They are eager by design (a model's own `train_step`, `run_eagerly=True`, a
+    custom loop outside `ks.function`), and the warning names TF calls
+    (`call_for_each_replica`, `experimental_run`) the user never made: a
+    model with its own `train_step` printed it five times in every `fit`.
+    """
+    logger, hidden = tf.get_logger(), _EagerOverheadFilter()
+    logger.addFilter(hidden)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hidden)
+
+
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:
     """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica.
 
@@ -151,7 +175,8 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         distributed = strategy.experimental_distribute_values_from_function(
             lambda ctx: per_replica[ctx.replica_id_in_sync_group]
         )
-        outputs = step(shared, distributed)
+        with contextlib.nullcontext() if compiled else _without_eager_overhead_warning():
+            outputs = step(shared, distributed)
 
         def component(value, replica_id):
             if value is None:
