@@ -386,6 +386,13 @@ class Strategy:
         `PerReplica` arguments are unpacked per replica; other arguments are
         passed unchanged to every replica.
         """
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"`args` of `strategy.run` must be a tuple (or list) of arguments for `fn`, got "
+                f"{type(args).__name__}: pass one argument as `args=(value,)`."
+            )
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"`kwargs` of `strategy.run` must be a dict, got {type(kwargs).__name__}.")
         return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: Optional[int]) -> Any:

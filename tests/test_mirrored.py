@@ -40,6 +40,16 @@ def test_run_gives_replica_ids_and_regroups():
     assert strategy.run(lambda: None) is None
 
 
+def test_run_refuses_arguments_that_are_not_a_tuple():
+    # `args=x` for `args=(x,)` failed with "'int' object is not iterable" (or unpacked a value).
+    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with pytest.raises(TypeError, match=r"`args` of `strategy.run` must be a tuple .* got int: pass one argument as `args=\(value,\)`"):
+        strategy.run(lambda value: value, args=3)
+    with pytest.raises(TypeError, match="`kwargs` of `strategy.run` must be a dict, got list"):
+        strategy.run(lambda value: value, kwargs=[3])
+    assert strategy.run(lambda value: value, args=[3]) == 3
+
+
 def test_reduce_golden_values():
     strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
     scalars = strategy.experimental_distribute_values_from_function(

@@ -195,6 +195,7 @@ class ReplicaStep:
             self._uneven_runs = {"train": eager(self._replica_train), "test": eager(self._replica_test)}
         self._padding_enters: dict = {}  # step kind -> whether padding rows would enter its objective
         self._largest_batch, self._warned_eager = 0, False
+        self._checked_inputs: set = set()
 
     # --- what every replica runs (stateless) ----------------------------------------
     @contextlib.contextmanager
@@ -343,7 +344,23 @@ class ReplicaStep:
     # --- steps ----------------------------------------------------------------------------
     def _shards(self, data: Any, with_targets: bool) -> Shards:
         # Eager replica threads take shards of any shapes; compiled programs, what the engine needs.
-        return make_shards(self.strategy, data, len(self.devices), with_targets, None if self._compiled else False)
+        shards = make_shards(self.strategy, data, len(self.devices), with_targets, None if self._compiled else False)
+        self._check_inputs(shards.x)
+        return shards
+
+    def _check_inputs(self, x: Any) -> None:
+        """Keras' check of the inputs against the model's input spec, once per input signature.
+
+        Replicas call the model statelessly (`call`, not `__call__`), and in a
+        TensorFlow trace their shards' shapes may be unknown, so a batch with
+        the wrong number of features failed deep inside TensorFlow's graph
+        instead of with Keras' `ValueError`.
+        """
+        signature = tuple(tuple(np.shape(leaf)[1:]) for leaf in tree.flatten(x))
+        if signature not in self._checked_inputs:
+            # A `Sequential` model checks through the functional model it wraps.
+            (getattr(self.model, "_functional", None) or self.model)._assert_input_compatibility(x)
+            self._checked_inputs.add(signature)
 
     def _run_on_replicas(self, kind: str, data: Any, loss_scale: float) -> tuple[Shards, list]:
         """Shards the global batch and runs the `kind` step on the replicas: compiled, or, where

@@ -191,6 +191,22 @@ def test_on_batch_methods_equal_one_device():
 
 
 
+def test_inputs_that_do_not_fit_the_model_get_keras_error():
+    # On TensorFlow the replicas' traced shards hid the shape from Keras' check: the step failed
+    # inside TensorFlow's graph ("Graph execution error") instead.
+    x, y = regression_data(8)
+    with ks.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        model = dense_model()
+    wide = np.concatenate([x, x], axis=1)
+    model.fit(x, y, verbose=0)  # built and traced: only the step itself sees the next inputs
+    for call in (lambda: model.fit(wide, y, verbose=0), lambda: model.evaluate(wide, y, verbose=0),
+                 lambda: model.predict(wide, verbose=0)):
+        with pytest.raises(ValueError, match=r"incompatible with the layer: expected (shape=\(None, 3\)|axis -1 .* value 3)"):
+            call()
+    model.fit(x, y, verbose=0)  # and the model still trains
+    model.predict(x, verbose=0)
+
+
 def test_an_uncompiled_model_predicts_and_asks_for_compile_elsewhere():
     # `predict` needs no `compile` in Keras; it failed under a strategy with "no attribute
     # 'optimizer'", as did `evaluate` (which Keras' torch trainer also lets through unchecked).
