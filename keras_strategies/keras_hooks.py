@@ -83,13 +83,9 @@ def _wrap_maybe_build(original: Callable) -> Callable:
 def _wrap_variable_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        if not replica_variables.in_replica_scope():
-            original(self, *args, **kwargs)
-            _record_current_strategy(self)
-            return
-        # Created by the replica function itself (a metric, a seed generator, `keras.Variable`).
-        strategy = context.get_strategy()
-        with _as_in_scope(strategy):
+        # Inside a replica: created by the replica function itself (a metric, a seed generator).
+        inside = replica_variables.in_replica_scope()
+        with _as_in_scope(context.get_strategy()) if inside else contextlib.nullcontext():
             original(self, *args, **kwargs)
             _record_current_strategy(self)
 

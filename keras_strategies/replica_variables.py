@@ -85,13 +85,22 @@ class ReplicaScope(RecordingScope):
         return cached[1]
 
 
+def _replica_scope(through_keras_scopes: bool) -> Optional[ReplicaScope]:
+    """The calling replica's scope, found through our recording scopes (and, if asked, through
+    Keras' own stateless scopes nested in it), or None."""
+    scope = get_stateless_scope()
+    while scope is not None and not isinstance(scope, ReplicaScope):
+        enclosing = getattr(scope, "parent", None)
+        if enclosing is None and through_keras_scopes:
+            enclosing = getattr(scope, "original_scope", None)
+        scope = enclosing
+    return scope
+
+
 def in_replica_scope() -> bool:
     """Whether the caller runs inside a replica's scope, also through Keras' own nested stateless
     scopes (a layer's first call builds it inside one, `compute_output_spec`)."""
-    scope = get_stateless_scope()
-    while scope is not None and not isinstance(scope, ReplicaScope):
-        scope = getattr(scope, "parent", None) or getattr(scope, "original_scope", None)
-    return scope is not None
+    return _replica_scope(through_keras_scopes=True) is not None
 
 
 def weigh_writes(variables: Sequence[Any], weight: Callable[[], Any]) -> None:
@@ -100,9 +109,7 @@ def weigh_writes(variables: Sequence[Any], weight: Callable[[], Any]) -> None:
     `weight()` is computed only inside a replica's scope: elsewhere (Keras'
     own steps, one replica) nothing combines the writes.
     """
-    scope = get_stateless_scope()
-    while scope is not None and not isinstance(scope, ReplicaScope):
-        scope = getattr(scope, "parent", None)
+    scope = _replica_scope(through_keras_scopes=False)
     if scope is not None:
         value = weight()
         for variable in variables:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-import numpy as np
 import torch
+from keras import ops
 
 _lock = threading.Lock()
 # id(wrapper) -> (wrapper, strategy, {replica_id: (copies by buffer name, weight)}), in first-use order.
@@ -81,14 +81,10 @@ def combine() -> None:
     sums = [total.cpu().numpy() for _, total, _ in floats] + [torch.tensor(weights, dtype=torch.float32).numpy()]
     if extended._num_workers > 1:
         sums = extended._cross_worker_sum(sums, "all-reduce of torch module buffers")
-    *totals, counts = [torch.as_tensor(_numpy(s)) for s in sums]
+    *totals, counts = [torch.as_tensor(ops.convert_to_numpy(s)) for s in sums]
     with torch.no_grad():
         for (buffer, _, index), total in zip(floats, totals):
             if counts[index] > 0:  # no replica had rows: the buffer keeps its value
                 buffer.copy_((total / counts[index]).to(buffer.dtype))
         for buffer, value in ints:
             buffer.copy_(value)
-
-
-def _numpy(value: Any) -> np.ndarray:
-    return np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value)
