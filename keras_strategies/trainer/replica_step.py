@@ -122,7 +122,7 @@ class Shards:
         self.local = local  # this worker's rows, unpadded
         self.cut(engine.replicas.EQUAL_SHARDS if equal_shapes is None else equal_shapes)
 
-    def cut(self, equal_shapes: bool) -> "Shards":
+    def cut(self, equal_shapes: bool) -> None:
         """Cuts `per_replica`: padded to one shape (`equal_shapes`) or each at its own size."""
         if equal_shapes:
             self.rows = [max(max(self.sizes), 1)] * len(self.sizes)
@@ -140,7 +140,6 @@ class Shards:
                 x, y = padding.pad_with_copies((x, y), rows, source)
                 weight = padding.pad_with_zeros(weight, rows)
             self.per_replica.append((x, y, weight, mask))
-        return self
 
     @property
     def active(self) -> list[int]:
