@@ -338,9 +338,9 @@ def _breakdown(model, backend: str, steps: int) -> dict:
     train_step = holder.train_step
     total = {"train_step": 0.0}
 
-    def outer(data):
+    def outer(data, **kwargs):
         start = time.perf_counter()
-        out = train_step(data)
+        out = train_step(data, **kwargs)
         sync(out)
         total["train_step"] += time.perf_counter() - start
         return out
