@@ -55,9 +55,6 @@ def _wrap_apply(original: Callable) -> Callable:
                 "`strategy.run(fn)`, where each replica passes its own gradients; they are summed "
                 "across replicas and applied once."
             )
-        if strategy.num_replicas_in_sync == 1:
-            return original(self, grads, trainable_variables)
-        grads = _aggregate(replica_context, grads)
 
         def update(_strategy):
             if not self.built and trainable_variables is not None:
@@ -71,6 +68,10 @@ def _wrap_apply(original: Callable) -> Callable:
                     return original(self, grads, trainable_variables)
                 return engine.optimizer.apply_gradients(self, grads, list(trainable_variables))
 
+        if strategy.num_replicas_in_sync == 1:
+            # The engine's update too: on JAX a stateful `LossScaleOptimizer` cannot run eagerly.
+            return update(strategy)
+        grads = _aggregate(replica_context, grads)
         return replica_context.merge_call(update)
 
     apply._ks_original = original

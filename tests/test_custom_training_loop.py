@@ -294,3 +294,56 @@ def test_a_model_built_on_its_first_call_inside_run_trains_like_one_device(repli
     np.testing.assert_allclose(losses, expected_losses, **TOL)
     for got, expected in zip(weights, expected_weights):
         np.testing.assert_allclose(got, expected, **TOL)
+
+
+def run_loss_scaled_loop(strategy, loss_scaled):
+    """The guide's loop on 4 batches of 6, the third with a NaN feature.
+
+    With a `LossScaleOptimizer` (as in TensorFlow's mixed-precision guide: scale the loss, apply
+    the scaled gradients) that batch's update is skipped and the scale halved; finite steps
+    equal the inner optimizer's on the unscaled gradients. Without one, the NaN batch is left out.
+    """
+    x, y = data(24)
+    x[13, 0] = np.nan
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.Adam(0.05, global_clipnorm=1.0)
+        if loss_scaled:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0**10, dynamic_growth_steps=2)
+    loss_object = keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(inputs):
+        features, labels = inputs
+
+        def loss_fn():
+            loss = ks.compute_average_loss(loss_object(labels, model(features, training=True)), global_batch_size=6)
+            return optimizer.scale_loss(loss) if loss_scaled else loss
+
+        loss, gradients = ks.value_and_grad(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @ks.function
+    def distributed_train_step(dist_inputs):
+        return strategy.reduce("sum", strategy.run(train_step, args=(dist_inputs,)), axis=None)
+
+    batches = [(x[i:i + 6], y[i:i + 6]) for i in range(0, 24, 6)]
+    if not loss_scaled:
+        del batches[2]
+    for batch in batches:
+        distributed_train_step(next(iter(strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset(batch).batch(6)))))
+    scale = float(ops.convert_to_numpy(optimizer.dynamic_scale)) if loss_scaled else None
+    return model.get_weights(), scale
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_loss_scale_optimizer_in_the_guide_loop_skips_non_finite_steps_like_one_device(replicas):
+    """On TensorFlow the loss-scaled update failed with several replicas ("apply() must be called
+    in a replica context"), on JAX with one ("unexpected tracer", from its `cond`)."""
+    keras.utils.set_random_seed(3)
+    expected, _ = run_loss_scaled_loop(ks.get_strategy(), loss_scaled=False)
+    keras.utils.set_random_seed(3)
+    weights, scale = run_loss_scaled_loop(ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]), loss_scaled=True)
+    assert scale == 2.0**10  # x2 after steps 1-2, /2 at the NaN step 3, step 4 counts again
+    for got, want in zip(weights, expected):
+        np.testing.assert_allclose(got, want, **TOL)

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import tensorflow as tf
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
-from keras.src.optimizers import base_optimizer
+from keras.src.optimizers import base_optimizer, loss_scale_optimizer
 
 
 class _DirectExtended:
@@ -72,12 +72,30 @@ def _wrap_add_variable_from_reference(method: Callable) -> Callable:
     return add_variable_from_reference
 
 
+def _wrap_loss_scale_apply(method: Callable) -> Callable:
+    """`LossScaleOptimizer` refuses cross-replica context ("apply() must be called in a replica
+    context"), where our hook applies the summed gradients once: there its update is Keras'
+    backend-neutral one (a `cond` on finite gradients), as under strategies without merge calls."""
+
+    @functools.wraps(method)
+    def _tf_apply(self, grads, trainable_variables=None):
+        if not tf.distribute.in_cross_replica_context():
+            return method(self, grads, trainable_variables)
+        with _direct_merge_calls():
+            return self._common_apply(grads, trainable_variables=trainable_variables)
+
+    _tf_apply._ks_original = method
+    return _tf_apply
+
+
 def install() -> None:
     """Installs the cross-replica fixes on Keras' TF optimizer (idempotent)."""
     cls = keras_tf_optimizer.TFOptimizer
     if hasattr(cls._backend_update_step, "_ks_original"):
         return
     cls._backend_update_step = _wrap(cls._backend_update_step)
+    lso = loss_scale_optimizer.LossScaleOptimizer
+    lso._tf_apply = _wrap_loss_scale_apply(lso._tf_apply)
     cls._apply_weight_decay = _wrap(cls._apply_weight_decay)
     cls.add_variable_from_reference = _wrap_add_variable_from_reference(cls.add_variable_from_reference)
 
