@@ -347,3 +347,51 @@ def test_a_loss_scale_optimizer_in_the_guide_loop_skips_non_finite_steps_like_on
     assert scale == 2.0**10  # x2 after steps 1-2, /2 at the NaN step 3, step 4 counts again
     for got, want in zip(weights, expected):
         np.testing.assert_allclose(got, want, **TOL)
+
+
+def run_loop_with_optimizer(strategy, make_optimizer, steps=6):
+    """The guide's loop (batches of 6 on `strategy`) with the optimizer `make_optimizer()` gives."""
+    x, y = data(36)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+        optimizer = make_optimizer()
+    loss_object = keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(inputs):
+        features, labels = inputs
+
+        def loss_fn():
+            return ks.compute_average_loss(loss_object(labels, model(features, training=True)), global_batch_size=6)
+
+        loss, gradients = ks.value_and_grad(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @ks.function
+    def distributed_train_step(dist_inputs):
+        return strategy.reduce("sum", strategy.run(train_step, args=(dist_inputs,)), axis=None)
+
+    dataset = strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset((x, y)).batch(6))
+    losses = [float(ops.convert_to_numpy(distributed_train_step(batch))) for batch in dataset]
+    return losses, model.get_weights() + [ops.convert_to_numpy(v) for v in optimizer.variables]
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: keras.optimizers.SGD(0.2, gradient_accumulation_steps=2),
+        lambda: keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2),
+    ],
+    ids=["gradient_accumulation", "ema"],
+)
+def test_accumulating_and_averaging_optimizers_in_the_guide_loop_train_like_one_device(make_optimizer):
+    """On TensorFlow both failed with several replicas: the accumulation and the EMA overwrite
+    went through the optimizer's own strategy from our cross-replica update."""
+    keras.utils.set_random_seed(5)
+    expected_losses, expected = run_loop_with_optimizer(ks.get_strategy(), make_optimizer)
+    keras.utils.set_random_seed(5)
+    losses, got = run_loop_with_optimizer(ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"]), make_optimizer)
+    np.testing.assert_allclose(losses, expected_losses, **TOL)
+    assert len(got) == len(expected)
+    for value, want in zip(got, expected):
+        np.testing.assert_allclose(value, want, **TOL)

@@ -4,8 +4,9 @@ Keras 3's TF optimizer always routes its update through
 `maybe_merge_call`, which needs a replica context and fails with
 `AttributeError: 'NoneType' object has no attribute 'merge_call'` in
 cross-replica context. Our optimizer hook applies the (already summed)
-gradients exactly there, inside a merge call, so the update is made
-directly with the optimizer's own strategy instead.
+gradients exactly there, inside a merge call, so the update (and the
+gradient accumulation, the EMA overwrite and `LossScaleOptimizer`'s update)
+is made directly instead of through the optimizer's own strategy.
 """
 
 from __future__ import annotations
@@ -72,6 +73,22 @@ def _wrap_add_variable_from_reference(method: Callable) -> Callable:
     return add_variable_from_reference
 
 
+def _wrap_overwrite_with_average(method: Callable) -> Callable:
+    """`use_ema`'s overwrite of the model variables goes through the optimizer's own strategy,
+    which TensorFlow refuses to enter inside another one ("Must not nest tf.distribute.Strategy
+    scopes"): in cross-replica context, where our hook applies the update, assign directly."""
+
+    @functools.wraps(method)
+    def overwrite(self, trainable_variables):
+        if not tf.distribute.in_cross_replica_context():
+            return method(self, trainable_variables)
+        for variable, average in zip(trainable_variables, self._model_variables_moving_average):
+            _DirectExtended.update(getattr(variable, "value", variable), lambda a, b: a.assign(b), args=(average,))
+
+    overwrite._ks_original = method
+    return overwrite
+
+
 def _wrap_loss_scale_apply(method: Callable) -> Callable:
     """`LossScaleOptimizer` refuses cross-replica context ("apply() must be called in a replica
     context"), where our hook applies the summed gradients once: there its update is Keras'
@@ -97,6 +114,10 @@ def install() -> None:
     lso = loss_scale_optimizer.LossScaleOptimizer
     lso._tf_apply = _wrap_loss_scale_apply(lso._tf_apply)
     cls._apply_weight_decay = _wrap(cls._apply_weight_decay)
+    cls._backend_increment_gradient_accumulators = _wrap(cls._backend_increment_gradient_accumulators)
+    cls._overwrite_model_variables_with_average_value = _wrap_overwrite_with_average(
+        cls._overwrite_model_variables_with_average_value
+    )
     cls.add_variable_from_reference = _wrap_add_variable_from_reference(cls.add_variable_from_reference)
 
 
