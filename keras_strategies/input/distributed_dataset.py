@@ -79,16 +79,32 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> Any:
-        return self._next_step()
+        return self._next()
 
     def get_next(self) -> Any:
-        return self._next_step()
+        return self._next()
 
     def get_next_as_optional(self) -> OptionalValue:
         try:
-            return OptionalValue(self._next_step(), True)
+            return OptionalValue(self._next(), True)
         except StopIteration:
             return OptionalValue()
+
+    def _next(self) -> Any:
+        _refuse_while_tracing()
+        return self._next_step()
+
+
+def _refuse_while_tracing() -> None:
+    """Read while tracing, one batch would be baked into the program and repeated."""
+    if engine.collectives.tracing():
+        raise RuntimeError(
+            "A distributed dataset cannot be iterated inside a compiled function "
+            "(`tf.function`, `ks.function`, `jax.jit`): its batches are split on the host. "
+            "Take the batches in Python and call the compiled step once per batch, e.g. "
+            "`for batch in dist_dataset: step(batch)`, instead of `next(iterator)` in a "
+            "`tf.range` loop or `for batch in dist_dataset` inside the function."
+        )
 
 
 class DistributedDataset:
@@ -180,6 +196,7 @@ class GlobalBatchDataset(DistributedDataset):
         self._dataset = dataset
 
     def __iter__(self) -> DistributedIterator:
+        _refuse_while_tracing()
         batches = _batches(self._dataset)
         extended = self._strategy.extended
         num_local, worker = len(self._devices), extended._worker_index
@@ -207,6 +224,7 @@ class DistributedDatasetsFromFunction(DistributedDataset):
         self._dataset = dataset_fn(context)
 
     def __iter__(self) -> DistributedIterator:
+        _refuse_while_tracing()
         batches = _batches(self._dataset)
         num_replicas = len(self._devices)
 
