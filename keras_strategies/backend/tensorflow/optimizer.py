@@ -111,14 +111,14 @@ def install() -> None:
     if hasattr(cls._backend_update_step, "_ks_original"):
         return
     cls._backend_update_step = _wrap(cls._backend_update_step)
-    lso = loss_scale_optimizer.LossScaleOptimizer
-    lso._tf_apply = _wrap_loss_scale_apply(lso._tf_apply)
     cls._apply_weight_decay = _wrap(cls._apply_weight_decay)
     cls._backend_increment_gradient_accumulators = _wrap(cls._backend_increment_gradient_accumulators)
     cls._overwrite_model_variables_with_average_value = _wrap_overwrite_with_average(
         cls._overwrite_model_variables_with_average_value
     )
     cls.add_variable_from_reference = _wrap_add_variable_from_reference(cls.add_variable_from_reference)
+    lso = loss_scale_optimizer.LossScaleOptimizer
+    lso._tf_apply = _wrap_loss_scale_apply(lso._tf_apply)
 
 
 _COMPILED = "_ks_compiled_apply"
