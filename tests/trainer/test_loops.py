@@ -270,6 +270,15 @@ def test_synchronized_batch_norm_trains_exactly_like_one_device(replicas):
     assert model.layers[2].synchronized
 
 
+def test_synchronized_batch_norm_after_shards_change_size_trains_exactly_like_one_device():
+    """Shards of 2, 2, 2 rows, then 2, 1, 1: on TensorFlow the second program failed ("Dimension 0
+    in both shapes must be equal"), its replicas making different backward all-reduces."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(10, 4, 4, 2)).astype("float32")
+    y = rng.normal(size=(10, 1)).astype("float32")
+    assert_same_training(lambda: batch_norm_model(True), x, y, batch_size=6, replicas=3)
+
+
 def assert_moving_statistics_average_the_replicas(model_class=keras.Model):
     """Unsynchronized BatchNormalization on 2 replicas whose shards are constant: the moving statistics are the means."""
     x = np.concatenate([np.zeros((2, 4, 4, 2)), np.full((2, 4, 4, 2), 4.0)]).astype("float32")

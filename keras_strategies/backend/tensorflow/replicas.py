@@ -152,6 +152,21 @@ def _without_eager_overhead_warning() -> Iterator[None]:
         logger.removeFilter(hidden)
 
 
+def _any_batch_size(value: Any) -> Any:
+    """`value` with an unknown batch size in a traced program.
+
+    With shards of different sizes, TF's relaxed retracing gives a replica whose
+    size did not change a static shape and the others an unknown one, and its
+    gradients then differ in structure: a synchronized BatchNormalization after
+    a convolution made one more backward all-reduce on some replicas than on
+    others, and the program failed ("Dimension 0 in both shapes must be
+    equal"). Every replica now sees the same unknown batch size.
+    """
+    if tf.executing_eagerly() or not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
+        return value
+    return tf.raw_ops.PlaceholderWithDefault(input=value, shape=[None] + value.shape.as_list()[1:])
+
+
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:
     """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica.
 
@@ -161,7 +176,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
 
     def step(shared, distributed):
         def replica_fn(shared, own):
-            return fn(_replica_id(), *shared, *own)
+            return fn(_replica_id(), *shared, *tree.map_structure(_any_batch_size, own))
 
         return strategy.run(replica_fn, args=(shared, distributed))
 
