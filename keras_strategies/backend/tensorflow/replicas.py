@@ -153,7 +153,7 @@ def _without_eager_overhead_warning() -> Iterator[None]:
 
 
 def _any_batch_size(value: Any) -> Any:
-    """`value` with an unknown batch size in a traced program.
+    """`value` with an unknown batch size in a replicated step of ours.
 
     With shards of different sizes, TF's relaxed retracing gives a replica whose
     size did not change a static shape and the others an unknown one, and its
@@ -176,7 +176,9 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
 
     def step(shared, distributed):
         def replica_fn(shared, own):
-            return fn(_replica_id(), *shared, *tree.map_structure(_any_batch_size, own))
+            if compiled:  # our steps; a user's `run` keeps TF's shapes
+                own = tree.map_structure(_any_batch_size, own)
+            return fn(_replica_id(), *shared, *own)
 
         return strategy.run(replica_fn, args=(shared, distributed))
 
