@@ -296,62 +296,10 @@ def test_a_model_built_on_its_first_call_inside_run_trains_like_one_device(repli
         np.testing.assert_allclose(got, expected, **TOL)
 
 
-def run_loss_scaled_loop(strategy, loss_scaled):
-    """The guide's loop on 4 batches of 6, the third with a NaN feature.
-
-    With a `LossScaleOptimizer` (as in TensorFlow's mixed-precision guide: scale the loss, apply
-    the scaled gradients) that batch's update is skipped and the scale halved; finite steps
-    equal the inner optimizer's on the unscaled gradients. Without one, the NaN batch is left out.
-    """
-    x, y = data(24)
-    x[13, 0] = np.nan
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
-        optimizer = keras.optimizers.Adam(0.05, global_clipnorm=1.0)
-        if loss_scaled:
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0**10, dynamic_growth_steps=2)
-    loss_object = keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
-
-    def train_step(inputs):
-        features, labels = inputs
-
-        def loss_fn():
-            loss = ks.compute_average_loss(loss_object(labels, model(features, training=True)), global_batch_size=6)
-            return optimizer.scale_loss(loss) if loss_scaled else loss
-
-        loss, gradients = ks.value_and_grad(loss_fn, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        return loss
-
-    @ks.function
-    def distributed_train_step(dist_inputs):
-        return strategy.reduce("sum", strategy.run(train_step, args=(dist_inputs,)), axis=None)
-
-    batches = [(x[i:i + 6], y[i:i + 6]) for i in range(0, 24, 6)]
-    if not loss_scaled:
-        del batches[2]
-    for batch in batches:
-        distributed_train_step(next(iter(strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset(batch).batch(6)))))
-    scale = float(ops.convert_to_numpy(optimizer.dynamic_scale)) if loss_scaled else None
-    return model.get_weights(), scale
-
-
-@pytest.mark.parametrize("replicas", [1, 3])
-def test_a_loss_scale_optimizer_in_the_guide_loop_skips_non_finite_steps_like_one_device(replicas):
-    """On TensorFlow the loss-scaled update failed with several replicas ("apply() must be called
-    in a replica context"), on JAX with one ("unexpected tracer", from its `cond`)."""
-    keras.utils.set_random_seed(3)
-    expected, _ = run_loss_scaled_loop(ks.get_strategy(), loss_scaled=False)
-    keras.utils.set_random_seed(3)
-    weights, scale = run_loss_scaled_loop(ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]), loss_scaled=True)
-    assert scale == 2.0**10  # x2 after steps 1-2, /2 at the NaN step 3, step 4 counts again
-    for got, want in zip(weights, expected):
-        np.testing.assert_allclose(got, want, **TOL)
-
-
-def run_loop_with_optimizer(strategy, make_optimizer, steps=6):
-    """The guide's loop (batches of 6 on `strategy`) with the optimizer `make_optimizer()` gives."""
-    x, y = data(36)
+def run_loop_with_optimizer(strategy, make_optimizer, batches, scale_loss=False):
+    """The guide's loop with the optimizer `make_optimizer()` gives, one step per `(x, y)` batch
+    of 6 rows; returns `(losses, model, optimizer)`. With `scale_loss`, the loss is scaled as in
+    TensorFlow's mixed-precision guide (`optimizer.scale_loss`, then the scaled gradients applied)."""
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
         optimizer = make_optimizer()
@@ -361,7 +309,8 @@ def run_loop_with_optimizer(strategy, make_optimizer, steps=6):
         features, labels = inputs
 
         def loss_fn():
-            return ks.compute_average_loss(loss_object(labels, model(features, training=True)), global_batch_size=6)
+            loss = ks.compute_average_loss(loss_object(labels, model(features, training=True)), global_batch_size=6)
+            return optimizer.scale_loss(loss) if scale_loss else loss
 
         loss, gradients = ks.value_and_grad(loss_fn, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
@@ -371,9 +320,39 @@ def run_loop_with_optimizer(strategy, make_optimizer, steps=6):
     def distributed_train_step(dist_inputs):
         return strategy.reduce("sum", strategy.run(train_step, args=(dist_inputs,)), axis=None)
 
-    dataset = strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset((x, y)).batch(6))
-    losses = [float(ops.convert_to_numpy(distributed_train_step(batch))) for batch in dataset]
-    return losses, model.get_weights() + [ops.convert_to_numpy(v) for v in optimizer.variables]
+    losses = []
+    for batch in batches:
+        dataset = strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset(batch).batch(6))
+        losses.append(float(ops.convert_to_numpy(distributed_train_step(next(iter(dataset))))))
+    return losses, model, optimizer
+
+
+def batches_of_six(n):
+    x, y = data(n)
+    return [(x[i:i + 6], y[i:i + 6]) for i in range(0, n, 6)]
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_loss_scale_optimizer_in_the_guide_loop_skips_non_finite_steps_like_one_device(replicas):
+    """4 batches, the third with a NaN feature: the loss-scaled loop skips that batch's update and
+    halves the scale; its finite steps equal the inner optimizer's (one device, NaN batch left out).
+
+    On TensorFlow the loss-scaled update failed with several replicas ("apply() must be called
+    in a replica context"), on JAX with one ("unexpected tracer", from its `cond`)."""
+    batches = batches_of_six(24)
+    batches[2][0][1, 0] = np.nan
+    adam = lambda: keras.optimizers.Adam(0.05, global_clipnorm=1.0)  # noqa: E731
+    keras.utils.set_random_seed(3)
+    _, expected, _ = run_loop_with_optimizer(ks.get_strategy(), adam, batches[:2] + batches[3:])
+    keras.utils.set_random_seed(3)
+    _, model, optimizer = run_loop_with_optimizer(
+        ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]),
+        lambda: keras.optimizers.LossScaleOptimizer(adam(), initial_scale=2.0**10, dynamic_growth_steps=2),
+        batches, scale_loss=True,
+    )
+    assert float(ops.convert_to_numpy(optimizer.dynamic_scale)) == 2.0**10  # x2 after steps 1-2, /2 at the NaN step 3
+    for got, want in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(got, want, **TOL)
 
 
 @pytest.mark.parametrize(
@@ -387,11 +366,13 @@ def run_loop_with_optimizer(strategy, make_optimizer, steps=6):
 def test_accumulating_and_averaging_optimizers_in_the_guide_loop_train_like_one_device(make_optimizer):
     """On TensorFlow both failed with several replicas: the accumulation and the EMA overwrite
     went through the optimizer's own strategy from our cross-replica update."""
+    state = lambda model, optimizer: model.get_weights() + [ops.convert_to_numpy(v) for v in optimizer.variables]  # noqa: E731
     keras.utils.set_random_seed(5)
-    expected_losses, expected = run_loop_with_optimizer(ks.get_strategy(), make_optimizer)
+    expected_losses, *reference = run_loop_with_optimizer(ks.get_strategy(), make_optimizer, batches_of_six(36))
     keras.utils.set_random_seed(5)
-    losses, got = run_loop_with_optimizer(ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"]), make_optimizer)
+    losses, *mirrored = run_loop_with_optimizer(ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"]), make_optimizer, batches_of_six(36))
     np.testing.assert_allclose(losses, expected_losses, **TOL)
+    expected, got = state(*reference), state(*mirrored)
     assert len(got) == len(expected)
     for value, want in zip(got, expected):
         np.testing.assert_allclose(value, want, **TOL)
