@@ -92,14 +92,14 @@ def _wrap_overwrite_with_average(method: Callable) -> Callable:
 def _wrap_loss_scale_apply(method: Callable) -> Callable:
     """`LossScaleOptimizer` refuses cross-replica context ("apply() must be called in a replica
     context"), where our hook applies the summed gradients once: there its update is Keras'
-    backend-neutral one (a `cond` on finite gradients), as under strategies without merge calls."""
+    backend-neutral one (a `cond` on finite gradients), as under strategies without merge calls;
+    the inner optimizer's merge calls there are the ones `install` makes direct."""
 
     @functools.wraps(method)
     def _tf_apply(self, grads, trainable_variables=None):
         if not tf.distribute.in_cross_replica_context():
             return method(self, grads, trainable_variables)
-        with _direct_merge_calls():
-            return self._common_apply(grads, trainable_variables=trainable_variables)
+        return self._common_apply(grads, trainable_variables=trainable_variables)
 
     _tf_apply._ks_original = method
     return _tf_apply
