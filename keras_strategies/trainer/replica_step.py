@@ -179,6 +179,7 @@ class ReplicaStep:
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
         self._compiled_metrics = None
+        self._compiled_train = None  # `_train_and_update`, compiled on first use
         self._rows_capacity = 0  # rows of the exchanged prediction buffers, the same on every worker
         make = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=compiled)
         self._train = make(self._replica_train)
@@ -306,11 +307,14 @@ class ReplicaStep:
             else:
                 variable.assign(engine.devices.copy_to(values[0], host))
 
-    def _global_predictions(self, shards: Shards, per_replica_predictions: list) -> Any:
+    def _global_predictions(self, sizes: tuple, per_replica_predictions: list) -> Any:
+        """The replicas' predictions of their real rows (`sizes`), concatenated on the host device."""
         host = self.devices[0]
         parts = [
-            tree.map_structure(lambda p: engine.devices.copy_to(p, host), shards.unpad(i, per_replica_predictions[i]))
-            for i in shards.active
+            tree.map_structure(
+                lambda p: engine.compiler.with_rows(engine.devices.copy_to(p[:size], host), size), per_replica_predictions[i]
+            )
+            for i, size in enumerate(sizes) if size
         ]
         if len(parts) == 1:
             return parts[0]
@@ -328,17 +332,24 @@ class ReplicaStep:
             compile_loss(y, y_pred, sample_weight)
         return model.compute_metrics(x, y, y_pred, sample_weight)
 
-    def _update_metrics(self, shards: Shards, loss: Any, predictions: Any) -> dict:
-        """Updates the metrics once on the global batch (compiled, as Keras' own steps);
-        `predictions` is `(y_pred, output masks)`."""
+    def _global_batch(self, shards: Shards) -> tuple:
+        """`(rows, x, y, sample_weight)` of the global batch as tensors on the host device
+        (user metrics may mix them with tensors)."""
+        with engine.devices.device_scope(self.devices[0]):
+            return (ops.convert_to_tensor(float(shards.batch), "float32"),) + as_tensors(
+                (shards.x, shards.y, shards.sample_weight)
+            )
+
+    def _update_metrics(self, batch: tuple, loss: Any, predictions: Any) -> dict:
+        """Updates the metrics once on the global batch (`_global_batch`), compiled as in Keras'
+        own steps; `predictions` is `(y_pred, output masks)`."""
         model = self.model
         if self._compiled_metrics is None:
             compile_fn = (lambda fn, _: fn) if model.run_eagerly else engine.compiler.compile_stateful
             self._compiled_metrics = compile_fn(self._metrics_update, model.metrics_variables)
+        rows, x, y, sample_weight = batch
         with engine.devices.device_scope(self.devices[0]):
-            batch = ops.convert_to_tensor(float(shards.batch), "float32")
-            x, y, sample_weight = as_tensors((shards.x, shards.y, shards.sample_weight))  # user metrics may mix them with tensors
-            return self._compiled_metrics(loss, batch, x, y, predictions, sample_weight)
+            return self._compiled_metrics(loss, rows, x, y, predictions, sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
     def _shards(self, data: Any, with_targets: bool) -> Shards:
@@ -361,32 +372,38 @@ class ReplicaStep:
             (getattr(self.model, "_functional", None) or self.model)._assert_input_compatibility(x)
             self._checked_inputs.add(signature)
 
-    def _run_on_replicas(self, kind: str, data: Any, loss_scale: float) -> tuple[Shards, list]:
-        """Shards the global batch and runs the `kind` step on the replicas: compiled, or, where
-        padding rows would enter the objective on uneven shards, eagerly on shards of their own sizes."""
+    def _per_replica(self, shards: Shards, loss_scale: float) -> list:
+        return [args + (w,) for args, w in zip(shards.per_replica, self._weights(shards, loss_scale))]
+
+    def _run_on_replicas(self, kind: str, shards: Shards, loss_scale: float, full_batch: bool = False) -> list:
+        """Runs the `kind` step on the replicas: compiled, or, where padding rows would enter the
+        objective on uneven shards, eagerly on shards of their own sizes (`shards` is re-cut).
+        `full_batch`: the batch is as large as any before it (see `_is_full_batch`)."""
         compiled, eager_run = getattr(self, f"_{kind}"), self._uneven_runs.get(kind)
-        shards = self._shards(data, with_targets=True)
 
         def run(replica_function: Callable) -> list:
-            weights = self._weights(shards, loss_scale)
-            return replica_function(self._state(), [args + (w,) for args, w in zip(shards.per_replica, weights)])
+            return replica_function(self._state(), self._per_replica(shards, loss_scale))
 
         if eager_run is None:
-            return shards, run(compiled)
+            return run(compiled)
         eager = lambda: shards.uneven and self._padding_enters.get(kind, False)  # noqa: E731
         if kind == "train":
-            self._warn_if_every_step_is_eager(shards, eager())
+            self._warn_if_every_step_is_eager(shards, eager(), full_batch)
         outputs = None if eager() else run(compiled)
         # Also when the objective was first traced just now, and padding rows entered it.
         if eager():
             shards.cut(equal_shapes=False)
             outputs = run(eager_run)
-        return shards, outputs
+        return outputs
 
-    def _warn_if_every_step_is_eager(self, shards: Shards, eager: bool) -> None:
-        """Eager steps are slower: fine for a partial last batch, worth a word when full batches are uneven."""
+    def _is_full_batch(self, shards: Shards) -> bool:
+        """Whether this train batch is as large as every one before it (not a partial last one)."""
         full = shards.batch >= self._largest_batch > 0
         self._largest_batch = max(self._largest_batch, shards.batch)
+        return full
+
+    def _warn_if_every_step_is_eager(self, shards: Shards, eager: bool, full: bool) -> None:
+        """Eager steps are slower: fine for a partial last batch, worth a word when full batches are uneven."""
         if eager and full and not self._warned_eager:
             self._warned_eager = True
             replicas = self.strategy.num_replicas_in_sync
@@ -396,9 +413,45 @@ class ReplicaStep:
                 "value for the whole batch, or its own `compute_loss`), so its training steps run eagerly, which "
                 f"is slower. For compiled steps, use a batch size divisible by {replicas}.", stacklevel=3)
 
+    def _one_program(self, shards: Shards) -> bool:
+        """Whether the whole train step can be one compiled program (`_train_and_update`): one
+        worker, gradients summed in the replica program, and no eager fallback for this batch."""
+        eager_fallback = "train" in self._uneven_runs and shards.uneven and self._padding_enters.get("train") is not False
+        return self._compiled and self.reduce_in_program and self.num_workers == 1 and not eager_fallback
+
+    def _train_and_update(self, per_replica: list, batch: tuple, sizes: tuple) -> tuple:
+        """The train step after the batch is cut, one worker: the replica program (gradients summed
+        in it), the optimizer update, the global predictions and the metric update.
+
+        `engine.compiler.compile_replicated_step` compiles it as a whole where the engine can
+        (TensorFlow: one dispatch instead of four); the non-trainable values of the replicas with
+        rows come back for `_assign_non_trainable`.
+        """
+        model, host = self.model, self.devices[0]
+        outputs = self._train(self._state(), per_replica)  # every replica holds the sums: take the first's
+        grads = [engine.devices.copy_to(g, host) for g in outputs[0][0]]
+        loss = engine.devices.copy_to(outputs[0][1][0], host)
+        with engine.devices.device_scope(host), optimizer_hooks.direct_update():
+            engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
+        predictions = self._global_predictions(sizes, [aux[1] for _, aux in outputs])
+        logs = self._update_metrics(batch, loss, predictions)
+        return logs, [outputs[i][1][2] for i, size in enumerate(sizes) if size]
+
     def train_step(self, data: Any, stop_asked: bool = False) -> Any:
         model = self.model
-        shards, outputs = self._run_on_replicas("train", data, self._loss_scale())
+        shards = self._shards(data, with_targets=True)
+        loss_scale, full_batch = self._loss_scale(), self._is_full_batch(shards)
+        if self._one_program(shards):
+            if not model.optimizer.built:  # no variables are created inside a compiled step
+                model.optimizer.build(model.trainable_variables)
+            if self._compiled_train is None:
+                self._compiled_train = engine.compiler.compile_replicated_step(self._train_and_update)
+            logs, non_trainable = self._compiled_train(
+                self._per_replica(shards, loss_scale), self._global_batch(shards), tuple(shards.sizes)
+            )
+            self._assign_non_trainable(non_trainable)
+            return logs
+        outputs = self._run_on_replicas("train", shards, loss_scale, full_batch)
         if self.reduce_in_program:  # every replica holds the sums: take the first replica's
             host = self.devices[0]
             grads = [engine.devices.copy_to(g, host) for g in outputs[0][0]]
@@ -419,11 +472,12 @@ class ReplicaStep:
             finish()
         else:
             self._assign_non_trainable(non_trainable)
-            global_predictions = self._global_predictions(shards, predictions)
-        return self._update_metrics(shards, loss, global_predictions)
+            global_predictions = self._global_predictions(tuple(shards.sizes), predictions)
+        return self._update_metrics(self._global_batch(shards), loss, global_predictions)
 
     def test_step(self, data: Any, stop_asked: bool = False) -> Any:
-        shards, outputs = self._run_on_replicas("test", data, 1.0)
+        shards = self._shards(data, with_targets=True)
+        outputs = self._run_on_replicas("test", shards, 1.0)
         if self.reduce_in_program:
             loss = engine.devices.copy_to(outputs[0][0], self.devices[0])
         else:
@@ -435,8 +489,8 @@ class ReplicaStep:
                 return STOPPED
             _, loss, global_predictions, _ = exchanged
         else:
-            global_predictions = self._global_predictions(shards, predictions)
-        return self._update_metrics(shards, loss, global_predictions)
+            global_predictions = self._global_predictions(tuple(shards.sizes), predictions)
+        return self._update_metrics(self._global_batch(shards), loss, global_predictions)
 
     def predict_step(self, data: Any, stop_asked: bool = False) -> Any:
         shards = self._shards(data, with_targets=False)
@@ -445,7 +499,7 @@ class ReplicaStep:
         if self.num_workers > 1:
             exchanged = self._exchange(shards, [], None, outputs, stop_asked=stop_asked)
             return exchanged if exchanged is STOPPED else exchanged[2]
-        return self._global_predictions(shards, outputs)
+        return self._global_predictions(tuple(shards.sizes), outputs)
 
     def _add_rows(self, exchange: cross_worker.Exchange, shards: Shards, local_parts: list, template: Any) -> tuple:
         """Adds the global batch's predictions, targets and weights in buffers of the agreed row count."""

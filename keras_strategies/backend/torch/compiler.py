@@ -20,6 +20,16 @@ def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
     return fn
 
 
+def with_rows(value: Any, rows: int) -> Any:
+    """`value` as it is: its shape is always concrete here."""
+    return value
+
+
+def compile_replicated_step(fn: Callable) -> Callable:
+    """A whole train step around the replica program runs eagerly, like the rest."""
+    return fn
+
+
 def outside_compiled() -> contextlib.AbstractContextManager:
     """Nothing to leave: a user's step runs eagerly here (see `compile_step`)."""
     return contextlib.nullcontext()
