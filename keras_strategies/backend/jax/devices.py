@@ -59,8 +59,13 @@ def device_of(value: Any) -> str:
 
 
 def copy_to(value: Any, name: str) -> Any:
-    """A copy of array `value` on device `name`."""
-    return jax.device_put(value, jax_device(name))
+    """Array `value` on device `name`: itself when it is there already (JAX arrays are
+    immutable, and a `device_put` that moves nothing still costs a dispatch)."""
+    device = jax_device(name)
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.is_fully_addressable:
+        if value.sharding.device_set == {device}:
+            return value
+    return jax.device_put(value, device)
 
 
 def has_gpu() -> bool:
