@@ -218,8 +218,10 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
 
     # Each device's block of an output is its replica's value as it is, so that reading it back
     # takes no indexing op per value (one dispatch each, a third of a small step's host time);
-    # scalars get an axis, which these flags, recorded when the program is traced, take off again.
-    scalars: list = []
+    # scalars get an axis, which flags recorded when the program is traced take off again (by the
+    # outputs' global shapes: a program traced for several shapes keeps one set per trace).
+    scalar_flags: dict = {}
+    count = len(devices)
 
     def body(shared, stacked):
         own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], stacked)
@@ -229,8 +231,12 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         finally:
             _in_replica_program["active"] = False
         leaves = tree.flatten(outputs)
-        scalars[:] = [leaf is not None and jnp.ndim(leaf) == 0 for leaf in leaves]
+        scalars = [leaf is not None and jnp.ndim(leaf) == 0 for leaf in leaves]
         blocks = [jnp.expand_dims(leaf, 0) if scalar else leaf for leaf, scalar in zip(leaves, scalars)]
+        global_shapes = tuple(
+            None if block is None else (jnp.shape(block)[0] * count,) + tuple(jnp.shape(block)[1:]) for block in blocks
+        )
+        scalar_flags[global_shapes] = scalars
         return tree.pack_sequence_as(outputs, blocks)
 
     program = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS), check_vma=False)
@@ -244,6 +250,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         shared = jax.device_put(shared, replicated)
         outputs = program(tuple(shared), tuple(stacked))
         leaves = tree.flatten(outputs)
+        scalars = scalar_flags[tuple(None if leaf is None else tuple(leaf.shape) for leaf in leaves)]
         per_replica: list = [[] for _ in devices]
         for leaf, scalar in zip(leaves, scalars):
             blocks = {} if leaf is None else {shard.device: shard.data for shard in leaf.addressable_shards}
