@@ -311,13 +311,15 @@ def _breakdown(model, backend: str, steps: int) -> dict:
         return wrapper
 
     originals = []
-    names = list(BREAKDOWN_METHODS)
-    # A step compiled as a whole (TensorFlow) runs its pieces inside one program: timed as one.
-    # Where the engine runs it as it is (a bound method), its pieces are timed instead.
-    compiled_whole = getattr(step_obj, "_compiled_train", None)
+    # A step compiled as a whole (TensorFlow) runs its pieces inside one program: timed as one
+    # ("_compiled_train"). Where the engine runs it as it is (a bound method), its pieces are timed.
+    compiled_steps = getattr(step_obj, "_compiled_steps", {})
+    compiled_whole = compiled_steps.get("train")
     if callable(compiled_whole) and getattr(compiled_whole, "__self__", None) is not step_obj:
-        names.append("_compiled_train")
-    for name in names:
+        compiled_steps["train"] = timed("_compiled_train", compiled_whole)
+    else:
+        compiled_whole = None
+    for name in BREAKDOWN_METHODS:
         fn = getattr(step_obj, name, None)
         if callable(fn):
             originals.append((step_obj, name, step_obj.__dict__.get(name)))
@@ -360,6 +362,8 @@ def _breakdown(model, backend: str, steps: int) -> dict:
             module.Shards = shards_cls
         if engine_apply is not None:
             engine_optimizer.apply_gradients = engine_apply
+        if compiled_whole is not None:
+            compiled_steps["train"] = compiled_whole
         for obj, name, original in originals + [(holder, "train_step", holder_original)]:
             if original is None:
                 object.__delattr__(obj, name)

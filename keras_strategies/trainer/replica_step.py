@@ -179,7 +179,7 @@ class ReplicaStep:
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
         self._compiled_metrics = None
-        self._compiled_train = None  # `_train_and_update`, compiled on first use
+        self._compiled_steps: dict = {}  # step kind -> the whole step, compiled (`_compiled_step`)
         self._rows_capacity = 0  # rows of the exchanged prediction buffers, the same on every worker
         make = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=compiled)
         self._train = make(self._replica_train)
@@ -413,11 +413,19 @@ class ReplicaStep:
                 "value for the whole batch, or its own `compute_loss`), so its training steps run eagerly, which "
                 f"is slower. For compiled steps, use a batch size divisible by {replicas}.", stacklevel=3)
 
-    def _one_program(self, shards: Shards) -> bool:
-        """Whether the whole train step can be one compiled program (`_train_and_update`): one
-        worker, gradients summed in the replica program, and no eager fallback for this batch."""
-        eager_fallback = "train" in self._uneven_runs and shards.uneven and self._padding_enters.get("train") is not False
+    def _one_program(self, kind: str, shards: Shards) -> bool:
+        """Whether the whole `kind` step can be one compiled program (`_train_and_update`,
+        `_test_and_measure`): one worker, sums made in the replica program, and no eager
+        fallback for this batch."""
+        eager_fallback = kind in self._uneven_runs and shards.uneven and self._padding_enters.get(kind) is not False
         return self._compiled and self.reduce_in_program and self.num_workers == 1 and not eager_fallback
+
+    def _compiled_step(self, kind: str) -> Callable:
+        """`_train_and_update` or `_test_and_measure`, compiled as a whole on first use."""
+        if kind not in self._compiled_steps:
+            function = self._train_and_update if kind == "train" else self._test_and_measure
+            self._compiled_steps[kind] = engine.compiler.compile_replicated_step(function)
+        return self._compiled_steps[kind]
 
     def _train_and_update(self, per_replica: list, batch: tuple, sizes: tuple) -> tuple:
         """The train step after the batch is cut, one worker: the replica program (gradients summed
@@ -427,35 +435,39 @@ class ReplicaStep:
         (TensorFlow: one dispatch instead of four); the non-trainable values of the replicas with
         rows come back for `_assign_non_trainable`.
         """
-        model, host = self.model, self.devices[0]
-        outputs = self._train(self._state(), per_replica)  # every replica holds the sums: take the first's
-        grads = [engine.devices.copy_to(g, host) for g in outputs[0][0]]
-        loss = engine.devices.copy_to(outputs[0][1][0], host)
-        with engine.devices.device_scope(host), optimizer_hooks.direct_update():
-            engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
+        outputs = self._train(self._state(), per_replica)
+        grads, loss = self._sums_of_first_replica(outputs)
         predictions = self._global_predictions(sizes, [aux[1] for _, aux in outputs])
-        logs = self._update_metrics(batch, loss, predictions)
+        logs = self._apply_and_measure(grads, loss, predictions, batch)
         return logs, [outputs[i][1][2] for i, size in enumerate(sizes) if size]
+
+    def _sums_of_first_replica(self, outputs: list) -> tuple:
+        """`(grads, loss)` summed in the replica program: every replica holds them, the first's are taken."""
+        host = self.devices[0]
+        return [engine.devices.copy_to(g, host) for g in outputs[0][0]], engine.devices.copy_to(outputs[0][1][0], host)
+
+    def _apply_and_measure(self, grads: list, loss: Any, predictions: Any, batch: tuple) -> dict:
+        """Applies the summed gradients once, then updates the metrics on the global batch."""
+        model = self.model
+        with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
+            engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
+        return self._update_metrics(batch, loss, predictions)
 
     def train_step(self, data: Any, stop_asked: bool = False) -> Any:
         model = self.model
         shards = self._shards(data, with_targets=True)
         loss_scale, full_batch = self._loss_scale(), self._is_full_batch(shards)
-        if self._one_program(shards):
+        if self._one_program("train", shards):
             if not model.optimizer.built:  # no variables are created inside a compiled step
                 model.optimizer.build(model.trainable_variables)
-            if self._compiled_train is None:
-                self._compiled_train = engine.compiler.compile_replicated_step(self._train_and_update)
-            logs, non_trainable = self._compiled_train(
+            logs, non_trainable = self._compiled_step("train")(
                 self._per_replica(shards, loss_scale), self._global_batch(shards), tuple(shards.sizes)
             )
             self._assign_non_trainable(non_trainable)
             return logs
         outputs = self._run_on_replicas("train", shards, loss_scale, full_batch)
-        if self.reduce_in_program:  # every replica holds the sums: take the first replica's
-            host = self.devices[0]
-            grads = [engine.devices.copy_to(g, host) for g in outputs[0][0]]
-            loss = engine.devices.copy_to(outputs[0][1][0], host)
+        if self.reduce_in_program:
+            grads, loss = self._sums_of_first_replica(outputs)
         else:
             grads = self._reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
             (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
@@ -466,17 +478,24 @@ class ReplicaStep:
             if exchanged is STOPPED:  # no update, no metrics: as if the step had not run
                 return STOPPED
             grads, loss, global_predictions, finish = exchanged
-        with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
-            engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
-        if self.num_workers > 1:
-            finish()
         else:
-            self._assign_non_trainable(non_trainable)
             global_predictions = self._global_predictions(tuple(shards.sizes), predictions)
-        return self._update_metrics(self._global_batch(shards), loss, global_predictions)
+            finish = functools.partial(self._assign_non_trainable, non_trainable)
+        logs = self._apply_and_measure(grads, loss, global_predictions, self._global_batch(shards))
+        finish()
+        return logs
+
+    def _test_and_measure(self, per_replica: list, batch: tuple, sizes: tuple) -> dict:
+        """The test step after the batch is cut, one worker: the replica program (the loss summed
+        in it), the global predictions and the metric update (see `_train_and_update`)."""
+        outputs = self._test(self._state(), per_replica)
+        loss = engine.devices.copy_to(outputs[0][0], self.devices[0])
+        return self._update_metrics(batch, loss, self._global_predictions(sizes, [aux[1] for aux in outputs]))
 
     def test_step(self, data: Any, stop_asked: bool = False) -> Any:
         shards = self._shards(data, with_targets=True)
+        if self._one_program("test", shards):
+            return self._compiled_step("test")(self._per_replica(shards, 1.0), self._global_batch(shards), tuple(shards.sizes))
         outputs = self._run_on_replicas("test", shards, 1.0)
         if self.reduce_in_program:
             loss = engine.devices.copy_to(outputs[0][0], self.devices[0])

@@ -48,8 +48,8 @@ def with_rows(value: Any, rows: int) -> Any:
 
 
 def compile_replicated_step(fn: Callable) -> Callable:
-    """A whole train step around the replica program runs as it is: its replica program, its
-    optimizer update and its metric update are jitted each on their own.
+    """A whole train or test step around the replica program runs as it is: its replica program,
+    its optimizer update and its metric update are jitted each on their own.
 
     One jitted program over the replicas' mesh for all of it was slower here
     (about 8 against 4.5 ms for a 2-replica MLP step): the update then ran

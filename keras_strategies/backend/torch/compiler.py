@@ -26,7 +26,7 @@ def with_rows(value: Any, rows: int) -> Any:
 
 
 def compile_replicated_step(fn: Callable) -> Callable:
-    """A whole train step around the replica program runs eagerly, like the rest."""
+    """A whole train or test step around the replica program runs eagerly, like the rest."""
     return fn
 
 

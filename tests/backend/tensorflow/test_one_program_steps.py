@@ -1,10 +1,10 @@
-"""On TensorFlow, a train step of `fit` on one worker is one compiled program.
+"""On TensorFlow, a train or test step on one worker is one compiled program.
 
 The replicas, the optimizer update, the global predictions and the metric
 update run in one `tf.function` (`compiler.compile_replicated_step`): once it
 is traced, a step makes no Python call to the update or the metric update,
-which as separate dispatches had cost about 3 ms a step. The results stay
-those of one device (checked throughout `tests/trainer/`).
+which as separate dispatches had cost about 3 ms a train step. The results
+stay those of one device (checked throughout `tests/trainer/`).
 """
 
 import keras
@@ -22,13 +22,13 @@ def _model():
     return model
 
 
-def test_once_traced_a_train_step_calls_neither_the_update_nor_the_metrics_from_python(monkeypatch):
+def _data():
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(22, 4)).astype("float32"), rng.normal(size=(22, 1)).astype("float32")
-    with ks.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
-        model = _model()
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # traces full and partial batches
-    calls = {"update": 0, "metrics": 0}
+    return rng.normal(size=(22, 4)).astype("float32"), rng.normal(size=(22, 1)).astype("float32")
+
+
+def _counted(monkeypatch, calls):
+    """Counts the Python calls of the optimizer update and of the metric update."""
     apply = tf_optimizer.apply_gradients
     update_metrics = replica_step.ReplicaStep._update_metrics
 
@@ -42,8 +42,30 @@ def test_once_traced_a_train_step_calls_neither_the_update_nor_the_metrics_from_
 
     monkeypatch.setattr(tf_optimizer, "apply_gradients", counted_apply)
     monkeypatch.setattr(replica_step.ReplicaStep, "_update_metrics", counted_metrics)
+
+
+def test_once_traced_a_train_step_calls_neither_the_update_nor_the_metrics_from_python(monkeypatch):
+    x, y = _data()
+    with ks.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = _model()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # traces full and partial batches
+    calls = {"update": 0, "metrics": 0}
+    _counted(monkeypatch, calls)
     before = int(model.optimizer.iterations.numpy())
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     assert int(model.optimizer.iterations.numpy()) == before + 6  # 3 steps an epoch did run
     assert calls == {"update": 0, "metrics": 0}
     assert len(history["loss"]) == 2 and history["loss"][1] < history["loss"][0]
+
+
+def test_once_traced_a_test_step_calls_no_metric_update_from_python(monkeypatch):
+    x, y = _data()
+    with ks.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = _model()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    first = model.evaluate(x, y, batch_size=8, return_dict=True, verbose=0)  # traces full and partial batches
+    calls = {"update": 0, "metrics": 0}
+    _counted(monkeypatch, calls)
+    again = model.evaluate(x, y, batch_size=8, return_dict=True, verbose=0)
+    assert calls == {"update": 0, "metrics": 0}
+    assert again == first and first["loss"] > 0 and first["mae"] > 0
