@@ -389,6 +389,8 @@ def _profile(model, steps: int) -> None:
     for sort in ("cumulative", "tottime"):
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(sort).print_stats(40)
+        if os.environ.get("KS_PROFILE_CALLERS"):
+            pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(sort).print_callers(os.environ["KS_PROFILE_CALLERS"])
         print(f"==== cProfile, {steps} steps, sorted by {sort} ====\n{out.getvalue()}", file=sys.stderr)
 
 

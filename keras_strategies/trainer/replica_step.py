@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import keras
 import numpy as np
@@ -143,11 +143,16 @@ class Shards:
 
     @property
     def active(self) -> list[int]:
-        return [i for i, size in enumerate(self.sizes) if size > 0]
+        return replicas_with_rows(self.sizes)
 
     def unpad(self, replica_id: int, structure: Any) -> Any:
         size = self.sizes[replica_id]
         return tree.map_structure(lambda leaf: leaf[:size], structure)
+
+
+def replicas_with_rows(sizes: Sequence[int]) -> list[int]:
+    """The replicas that got rows of the batch (one without rows runs a padding row)."""
+    return [i for i, size in enumerate(sizes) if size > 0]
 
 
 def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool,
@@ -310,10 +315,13 @@ class ReplicaStep:
     def _global_predictions(self, sizes: tuple, per_replica_predictions: list) -> Any:
         """The replicas' predictions of their real rows (`sizes`), concatenated on the host device."""
         host = self.devices[0]
+
+        def real_rows(prediction: Any, size: int) -> Any:  # no slicing op for a shard without padding
+            rows = prediction if prediction.shape[0] == size else prediction[:size]
+            return engine.compiler.with_rows(engine.devices.copy_to(rows, host), size)
+
         parts = [
-            tree.map_structure(
-                lambda p: engine.compiler.with_rows(engine.devices.copy_to(p[:size], host), size), per_replica_predictions[i]
-            )
+            tree.map_structure(lambda p: real_rows(p, size), per_replica_predictions[i])
             for i, size in enumerate(sizes) if size
         ]
         if len(parts) == 1:
@@ -439,12 +447,15 @@ class ReplicaStep:
         grads, loss = self._sums_of_first_replica(outputs)
         predictions = self._global_predictions(sizes, [aux[1] for _, aux in outputs])
         logs = self._apply_and_measure(grads, loss, predictions, batch)
-        return logs, [outputs[i][1][2] for i, size in enumerate(sizes) if size]
+        return logs, [outputs[i][1][2] for i in replicas_with_rows(sizes)]
 
     def _sums_of_first_replica(self, outputs: list) -> tuple:
         """`(grads, loss)` summed in the replica program: every replica holds them, the first's are taken."""
-        host = self.devices[0]
-        return [engine.devices.copy_to(g, host) for g in outputs[0][0]], engine.devices.copy_to(outputs[0][1][0], host)
+        return [self._on_host(g) for g in outputs[0][0]], self._on_host(outputs[0][1][0])
+
+    def _on_host(self, value: Any) -> Any:
+        """A replica's value on the first local device, where the update and the metrics run."""
+        return engine.devices.copy_to(value, self.devices[0])
 
     def _apply_and_measure(self, grads: list, loss: Any, predictions: Any, batch: tuple) -> dict:
         """Applies the summed gradients once, then updates the metrics on the global batch."""
@@ -489,7 +500,7 @@ class ReplicaStep:
         """The test step after the batch is cut, one worker: the replica program (the loss summed
         in it), the global predictions and the metric update (see `_train_and_update`)."""
         outputs = self._test(self._state(), per_replica)
-        loss = engine.devices.copy_to(outputs[0][0], self.devices[0])
+        loss = self._on_host(outputs[0][0])  # summed in the replica program
         return self._update_metrics(batch, loss, self._global_predictions(sizes, [aux[1] for aux in outputs]))
 
     def test_step(self, data: Any, stop_asked: bool = False) -> Any:
@@ -498,7 +509,7 @@ class ReplicaStep:
             return self._compiled_step("test")(self._per_replica(shards, 1.0), self._global_batch(shards), tuple(shards.sizes))
         outputs = self._run_on_replicas("test", shards, 1.0)
         if self.reduce_in_program:
-            loss = engine.devices.copy_to(outputs[0][0], self.devices[0])
+            loss = self._on_host(outputs[0][0])
         else:
             (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for aux in outputs])
         predictions = [aux[1] for aux in outputs]

@@ -8,6 +8,7 @@ pass a mask (see `EQUAL_SHARDS`).
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
 from keras_strategies import replica_threads
+from keras_strategies.backend.jax import shared_state
 from keras_strategies.backend.jax.devices import device_scope, jax_device
 
 EQUAL_SHARDS = True
@@ -223,7 +225,8 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
     scalar_flags: dict = {}
     count = len(devices)
 
-    def body(shared, stacked):
+    def body(layout, treedef, buffers, stacked):
+        shared = jax.tree_util.tree_unflatten(treedef, shared_state.unpack(buffers, layout))
         own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], stacked)
         _in_replica_program.update(active=True, devices=len(devices))
         try:
@@ -239,16 +242,26 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         scalar_flags[global_shapes] = scalars
         return tree.pack_sequence_as(outputs, blocks)
 
-    program = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS), check_vma=False)
-    program = jax.jit(program)
+    programs: dict = {}  # (layout, treedef) of the shared state -> its program
+
+    def program_for(layout: tuple, treedef: Any) -> Callable:
+        if (layout, treedef) not in programs:
+            traced = functools.partial(body, layout, treedef)
+            program = jax.shard_map(traced, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS), check_vma=False)
+            programs[layout, treedef] = jax.jit(program)
+        return programs[layout, treedef]
+
+    host = mesh.devices.flat[0]
 
     def run(shared: tuple, per_replica: Sequence[tuple]) -> list:
         stacked = tree.map_structure(
-            lambda *leaves: None if leaves[0] is None else jax.device_put(np.stack([np.asarray(l) for l in leaves]), split),
-            *per_replica,
+            lambda *leaves: None if leaves[0] is None else np.stack([np.asarray(l) for l in leaves]), *per_replica
         )
-        shared = jax.device_put(shared, replicated)
-        outputs = program(tuple(shared), tuple(stacked))
+        leaves, treedef = jax.tree_util.tree_flatten(tuple(shared))
+        layout = shared_state.layout_of(leaves)
+        # One transfer for the batch and the state: a `device_put` per array costs a dispatch each.
+        buffers, stacked = jax.device_put((shared_state.pack(leaves, layout, host), tuple(stacked)), (replicated, split))
+        outputs = program_for(layout, treedef)(buffers, stacked)
         leaves = tree.flatten(outputs)
         scalars = scalar_flags[tuple(None if leaf is None else tuple(leaf.shape) for leaf in leaves)]
         per_replica: list = [[] for _ in devices]
