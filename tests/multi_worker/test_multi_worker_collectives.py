@@ -6,6 +6,7 @@ sums, leave kept inputs alone, and train a model with a large gradient like
 one process.
 """
 
+import json
 import os
 import sys
 
@@ -16,7 +17,7 @@ import pytest
 from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
-from common import build_wide_model, collective_values, keras_run, wide_data  # noqa: E402
+from common import WIDE, build_wide_model, collective_values, keras_run, wide_data  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,21 @@ def test_donated_values_are_summed_once_even_when_given_twice(results):
             np.testing.assert_allclose(worker[f"donated_{i}"], value, rtol=1e-6, atol=1e-6)
 
 
-def test_a_model_with_a_large_gradient_trains_like_one_process(results):
-    out, workers = results
+@pytest.fixture(scope="module")
+def wide_on_2x2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wide_2x2")
+    check(run_program("collectives.py", [out, "wide-only"], workers=2, devices_per_worker=2))
+    return out, [np.load(out / f"worker_{i}.npz") for i in range(2)]
+
+
+@pytest.fixture(params=["results", "wide_on_2x2"], ids=["2x1", "2x2"])
+def wide(request):
+    """The wide model's `fit` on 2 workers x 1 device (with the other checks) and x 2 devices (alone)."""
+    return request.getfixturevalue(request.param)
+
+
+def test_a_model_with_large_gradients_trains_like_one_process(wide):
+    out, workers = wide
     initial = np.load(os.path.join(out, "wide_initial.npz"))
     model = build_wide_model()
     model.set_weights([initial[f"arr_{i}"] for i in range(len(initial.files))])
@@ -82,6 +96,17 @@ def test_a_model_with_a_large_gradient_trains_like_one_process(results):
             np.testing.assert_allclose(worker[f"weights_{i}"], weight, rtol=1e-5, atol=1e-5)
         for key in ("loss", "mae", "evaluate", "predict"):
             np.testing.assert_allclose(worker[key], np.asarray(reference[key]), rtol=1e-5, atol=1e-5)
+
+
+def test_two_large_gradients_cross_workers_in_the_layout_of_the_engine(wide):
+    # JAX: all gradients in one flat buffer made by the replica program (XLA's CPU runtime makes one
+    # gloo call per operand); TF and torch: each 1 MiB kernel on its own, the rest packed.
+    _, workers = wide
+    kernel = WIDE * WIDE
+    expected = [sum(int(np.prod(w.shape)) for w in build_wide_model().weights)] if keras.backend.backend() == "jax" else [kernel, kernel]
+    for worker in workers:
+        sent = [step for step in json.loads(str(worker["large_sent"])) if step]
+        assert len(sent) == 8 and all(step == expected for step in sent), sent  # every step of 2 epochs
 
 
 @pytest.mark.parametrize("name", ["keras_steps", "own_steps"], ids=["Keras steps", "model's own steps"])

@@ -2,8 +2,10 @@
 
 Writes `<out>/worker_<task id>.npz`; the chief also writes the wide model's
 initial weights, from which the test computes the single-process reference.
+`collectives.py OUT wide-only` runs the wide model's `fit` alone.
 """
 
+import json
 import os
 import sys
 
@@ -24,6 +26,41 @@ from common import (  # noqa: E402
 out = sys.argv[1]
 task_id = strategy.cluster_resolver.task_id
 results = {}
+
+
+def wide_fit() -> None:
+    """`fit` of a model with two 1 MiB gradients, recording what its exchanges send."""
+    keras.utils.set_random_seed(100 + task_id)
+    with strategy.scope():
+        model = build_wide_model()
+    if strategy.extended.should_checkpoint:
+        np.savez(os.path.join(out, "wide_initial.npz"), *model.get_weights())
+    x, y = wide_data()
+    # What the train step's exchanges send: the sizes of the values of 1 MiB or more.
+    sum_across_workers, large_sizes = strategy.extended._cross_worker_sum, []
+
+    def recording_sum(values, what="all-reduce", donated=False):
+        if what == "gradient all-reduce":
+            sizes = [int(np.prod(tuple(v.shape))) for v in values]
+            large_sizes.append(sorted(size for size in sizes if size * 4 >= 1 << 20))
+        return sum_across_workers(values, what, donated)
+
+    strategy.extended._cross_worker_sum = recording_sum
+    wide_run = keras_run(model, x, y)
+    del strategy.extended._cross_worker_sum
+    results["large_sent"] = json.dumps(large_sizes)  # per exchange (the first step sends its rows again)
+    for key, value in wide_run.items():
+        if key == "weights":
+            for i, weight in enumerate(value):
+                results[f"weights_{i}"] = weight
+        else:
+            results[key] = np.asarray(value)
+
+
+if sys.argv[2:] == ["wide-only"]:  # 2 x 2 devices: the wide model alone
+    wide_fit()
+    np.savez(os.path.join(out, f"worker_{task_id}.npz"), **results)
+    sys.exit(0)
 
 # Kept: the inputs must be unchanged afterwards.
 inputs = [ops.convert_to_tensor(v) for v in collective_values(task_id)]
@@ -63,19 +100,8 @@ donated_inputs.append(donated_inputs[0])
 for i, value in enumerate(strategy.extended._cross_worker_sum(donated_inputs, "donated values", donated=True)):
     results[f"donated_{i}"] = ops.convert_to_numpy(value)
 
-# Training where a gradient is large enough to be reduced in place.
-keras.utils.set_random_seed(100 + task_id)
-with strategy.scope():
-    model = build_wide_model()
-if strategy.extended.should_checkpoint:
-    np.savez(os.path.join(out, "wide_initial.npz"), *model.get_weights())
-x, y = wide_data()
-for key, value in keras_run(model, x, y).items():
-    if key == "weights":
-        for i, weight in enumerate(value):
-            results[f"weights_{i}"] = weight
-    else:
-        results[key] = np.asarray(value)
+# Training where two gradients are large enough to go on their own (TF, torch) or packed (JAX).
+wide_fit()
 
 # Batches shuffled after `batch()` without a seed: the partial batch moves to different steps on
 # different workers. Every worker gets the same clear error at the same step (not a collective

@@ -327,7 +327,9 @@ LOOPS = {
 }
 
 
-WIDE = 512  # a 512 x 512 float32 kernel is 1 MiB: its gradient is reduced on its own, in place
+# A 512 x 512 float32 kernel is 1 MiB: on TF and torch each such gradient is reduced on its own,
+# in place; on JAX the two of them travel in one flat buffer of all the gradients.
+WIDE = 512
 
 
 def wide_data(n=N):
@@ -338,7 +340,8 @@ def wide_data(n=N):
 
 
 def build_wide_model():
-    model = keras.Sequential([keras.Input((WIDE,)), keras.layers.Dense(WIDE, activation="tanh"), keras.layers.Dense(1)])
+    model = keras.Sequential([keras.Input((WIDE,)), keras.layers.Dense(WIDE, activation="tanh"),
+                              keras.layers.Dense(WIDE, activation="tanh"), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", metrics=["mae"])
     return model
 
