@@ -26,13 +26,9 @@ batch 256, so 128 rows per worker). Per backend it measures:
    float32 split into 10 tensors (5 "kernels" + 5 "biases", like gradients),
    plus ~4 KB for the fixed cost of one collective:
    ours = `strategy.extended._cross_worker_sum(tensors, "bench", donated=True)`
-   of the tensors in the layout the train step sends its gradients
-   (`engine.gradients.pack_for_exchange`: on JAX one flat buffer, which the
-   step's compiled gradient program makes; on TF and torch the list as it
-   is, which the engine may sum in place); also reported: the list as it is
-   on every backend (a custom loop's call), and with `donated=False`, a caller
-   keeping its tensors. Raw = the engine's bare collective on one
-   pre-flattened buffer already in place:
+   (as the train step sends its gradients, which the engine may sum in place;
+   also reported with `donated=False`, a caller keeping its tensors), raw = the
+   engine's bare collective on one pre-flattened buffer already in place:
    - TensorFlow: a `tf.function` running one `tf.raw_ops.CollectiveReduceV2`,
    - JAX: a jitted sum over a one-device-per-process mesh of a prebuilt global
      array (`jax.make_array_from_single_device_arrays`),
@@ -266,19 +262,17 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
     patched = [(step_obj, name) for name in ("_train", "_exchange", "_update_metrics", "train_step")]
     for obj, name in patched:
         object.__setattr__(obj, name, timed(name, getattr(obj, name)))
-    # Several workers apply through `apply_exchanged_gradients` (older versions: `apply_gradients`).
-    apply_name = "apply_exchanged_gradients" if hasattr(engine.optimizer, "apply_exchanged_gradients") else "apply_gradients"
-    engine_apply = getattr(engine.optimizer, apply_name)
-    setattr(engine.optimizer, apply_name, timed(
+    engine_apply = engine.optimizer.apply_gradients
+    engine.optimizer.apply_gradients = timed(
         "optimizer", engine_apply, after=lambda: [v.value for v in model.optimizer.variables]
-    ))
+    )
     extended._cross_worker_sum = counted_sum
     holder.train_step = step_obj.train_step
     steps = x.shape[0] // GLOBAL_BATCH
     try:
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
     finally:
-        setattr(engine.optimizer, apply_name, engine_apply)
+        engine.optimizer.apply_gradients = engine_apply
         del extended._cross_worker_sum
         for obj, name in patched:
             obj.__dict__.pop(name, None)
@@ -429,21 +423,13 @@ def _backend_tensors(backend: str, arrays: list) -> list:
     return [torch.from_numpy(a) for a in arrays]
 
 
-def _ours(backend: str, strategy, arrays: list, donated: bool = True, as_train_step: bool = False):
+def _ours(backend: str, strategy, arrays: list, donated: bool = True):
     """One `strategy.extended._cross_worker_sum` of `arrays` (as backend tensors), run to completion.
 
     `donated=True` is how the train step sends its gradients (the engine may
     sum them in place); `False` is a caller that keeps its tensors.
-    `as_train_step`: in the layout the train step's replica program hands them
-    to the exchange (`engine.gradients.pack_for_exchange`, made once here: in a
-    step it is part of the compiled gradient program, whose cost the step-time
-    comparison of `--wide` shows); the same list on TF and torch.
     """
     tensors = _backend_tensors(backend, arrays)
-    if as_train_step:
-        from keras_strategies.backend import engine
-
-        tensors = engine.gradients.pack_for_exchange(tensors)
     reduce_ours = strategy.extended._cross_worker_sum
     if backend == "jax":
         import jax
@@ -646,13 +632,12 @@ def _all_reduce_bench(backend: str, strategy, iters: int) -> tuple[list, dict]:
         arrays = [np.zeros(s, "float32") for s in shapes]
         times = _interleaved(
             {"ours": _ours(backend, strategy, arrays), "kept": _ours(backend, strategy, arrays, donated=False),
-             "sent": _ours(backend, strategy, arrays, as_train_step=True),
              "raw": _raw(backend, total), "packed": _packed(backend, arrays),
              "per_tensor": _raw_per_tensor(backend, arrays)},
             iters,
         )
         row = {"payload_mb": nbytes / 2**20, "tensors": len(shapes), "iterations": len(times["ours"])}
-        for name in ("ours", "kept", "sent", "raw", "packed", "per_tensor"):
+        for name in ("ours", "kept", "raw", "packed", "per_tensor"):
             ms = statistics.median(times[name]) * 1e3
             row[f"{name}_ms"] = ms
             row[f"{name}_p10_ms"] = float(np.percentile(times[name], 10) * 1e3)
@@ -821,9 +806,9 @@ def run_parent(args) -> int:
     ]
     reduce_lines = [
         "| backend | payload | ours ms | ours MB/s | raw engine | raw ms | raw MB/s | ratio ours/raw (rate) | target "
-        "| ours, the list as it is ms (rate ratio) | same, kept inputs ms (rate ratio) "
-        "| packed ms (concat + raw + split) | raw, per tensor ms (list/it, rate) |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| ours, kept inputs ms (rate ratio) | packed ms (concat + raw + split) "
+        "| raw, per tensor ms (ours/it, rate) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for backend in backends:
         ours_runs = [r for r in runs[(backend, "ks")] if "error" not in r]
@@ -863,13 +848,10 @@ def run_parent(args) -> int:
                 by_payload.setdefault(round(row["payload_mb"], 4), []).append(row)
         for payload, rows in sorted(by_payload.items()):
             size = f"{payload * 1024:.1f} KB" if payload < 0.1 else f"{payload:.2f} MB"
-            # "ours" is the gradients as the train step sends them (older results: the list as it is).
-            sent = lambda row: row.get("sent_ms", row["ours_ms"])  # noqa: E731
-            o_ms = _median(sent(row) for row in rows)
-            l_ms = _median(row["ours_ms"] for row in rows)
+            o_ms = _median(row["ours_ms"] for row in rows)
             r_ms = _median(row["raw_ms"] for row in rows)
             k_ms = _median(row.get("kept_ms") for row in rows)
-            rate_ratios = [row["raw_ms"] / sent(row) for row in rows]
+            rate_ratios = [row["raw_ms"] / row["ours_ms"] for row in rows]
             rr = _median(rate_ratios)
             spread = f" ({min(rate_ratios):.2f}-{max(rate_ratios):.2f})" if len(rate_ratios) > 1 else ""
             target = (f">= {RATE_TARGET:.2f}" + (" met" if rr >= RATE_TARGET else " **missed**")) if payload >= 0.1 \
@@ -877,7 +859,6 @@ def run_parent(args) -> int:
             reduce_lines.append(
                 f"| {backend} | {size} in {rows[0]['tensors']} tensors | {o_ms:.3f} | {payload / o_ms * 1e3:.0f} | "
                 f"{RAW_NAMES[backend]} | {r_ms:.3f} | {payload / r_ms * 1e3:.0f} | {rr:.2f}{spread} | {target} | "
-                f"{l_ms:.3f} ({_fmt(_median([row['raw_ms'] / row['ours_ms'] for row in rows]))}) | "
                 f"{_fmt(k_ms, '.3f')} ({_fmt(_median([row['raw_ms'] / row['kept_ms'] for row in rows if row.get('kept_ms')]))}) | "
                 f"{_fmt(_median(row.get('packed_ms') for row in rows), '.3f')} | "
                 f"{_fmt(_median(row.get('per_tensor_ms') for row in rows), '.3f')} "
@@ -919,12 +900,10 @@ def run_parent(args) -> int:
     print("\n".join(step_lines))
     _print_table("Cross-checks: begin-to-begin cycle time on worker 0 (step + loop overhead), and worker 1's median "
                  "step:", cycle_lines)
-    _print_table("All-reduce, ours (`strategy.extended._cross_worker_sum(tensors, donated=True)` of the ten gradients "
-                 "in the layout the train step sends them, `engine.gradients.pack_for_exchange`: on JAX one flat "
-                 "buffer from 1 MB on, as they are on TF and torch) vs the raw engine (one pre-flattened buffer), "
-                 "worker 0; 'the list as it is' is the same call on the ten tensors (a custom loop's or user's call), "
-                 "'kept inputs' that with donated=False; 'raw, per tensor' is the engine given the same ten tensors "
-                 "as they are (reference, no target):", reduce_lines)
+    _print_table("All-reduce, ours (`strategy.extended._cross_worker_sum(tensors, donated=True)`, as the train step "
+                 "sends its gradients) vs the raw engine (one pre-flattened buffer), worker 0; 'kept inputs' is the "
+                 "same call with donated=False; 'raw, per tensor' is the engine given the same ten tensors as they "
+                 "are (reference, no target):", reduce_lines)
     if len(split_lines) > 2:  # more than the header and separator
         _print_table("One collective per dtype: `_cross_worker_sum` of the same payload with the targets as "
                      "float32 or int32 (medians, worker 0):", split_lines)

@@ -180,9 +180,6 @@ class ReplicaStep:
         self.cross_device_ops = strategy.extended._cross_device_ops
         self.reduce_in_program = getattr(strategy.extended, "_default_cross_device_ops", False)
         self.num_workers = strategy.extended._num_workers
-        # Gradients summed in the replica program cross workers as `engine.gradients.pack_for_exchange`
-        # lays them out (JAX: one flat buffer per dtype), and are applied from that layout.
-        self._packs_gradients = self.num_workers > 1 and self.reduce_in_program
         self._compiled = compiled = not model.run_eagerly
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
@@ -252,8 +249,6 @@ class ReplicaStep:
             grad_fn = engine.gradients.value_and_grad(functools.partial(self._objective, training=True))
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, weights)
             if self.reduce_in_program:
-                if self._packs_gradients:  # in the layout the engine sends best, before the local sum
-                    grads = engine.gradients.pack_for_exchange(list(grads))
                 grads, loss = self._local_sum([list(grads), aux[0]])
                 aux = (loss,) + tuple(aux[1:])
         return grads, aux
@@ -462,13 +457,11 @@ class ReplicaStep:
         """A replica's value on the first local device, where the update and the metrics run."""
         return engine.devices.copy_to(value, self.devices[0])
 
-    def _apply_and_measure(self, grads: list, loss: Any, predictions: Any, batch: tuple, exchanged: bool = False) -> dict:
-        """Applies the summed gradients once, then updates the metrics on the global batch.
-        `exchanged`: the gradients come from the cross-worker exchange, in its layout."""
+    def _apply_and_measure(self, grads: list, loss: Any, predictions: Any, batch: tuple) -> dict:
+        """Applies the summed gradients once, then updates the metrics on the global batch."""
         model = self.model
-        apply = engine.optimizer.apply_exchanged_gradients if exchanged else engine.optimizer.apply_gradients
         with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
-            apply(model.optimizer, grads, model.trainable_variables)
+            engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
         return self._update_metrics(batch, loss, predictions)
 
     def train_step(self, data: Any, stop_asked: bool = False) -> Any:
@@ -499,7 +492,7 @@ class ReplicaStep:
         else:
             global_predictions = self._global_predictions(tuple(shards.sizes), predictions)
             finish = functools.partial(self._assign_non_trainable, non_trainable)
-        logs = self._apply_and_measure(grads, loss, global_predictions, self._global_batch(shards), self._packs_gradients)
+        logs = self._apply_and_measure(grads, loss, global_predictions, self._global_batch(shards))
         finish()
         return logs
 

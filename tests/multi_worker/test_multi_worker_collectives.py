@@ -98,15 +98,14 @@ def test_a_model_with_large_gradients_trains_like_one_process(wide):
             np.testing.assert_allclose(worker[key], np.asarray(reference[key]), rtol=1e-5, atol=1e-5)
 
 
-def test_two_large_gradients_cross_workers_in_the_layout_of_the_engine(wide):
-    # JAX: all gradients in one flat buffer made by the replica program (XLA's CPU runtime makes one
-    # gloo call per operand); TF and torch: each 1 MiB kernel on its own, the rest packed.
+def test_every_step_hands_its_large_gradients_to_the_exchange_as_they_are(wide):
+    # The engine decides the layout: torch and JAX sum each 1 MiB gradient on its own, without a
+    # copy into a pack, TF packs per dtype as its own strategy does. (Packing all gradients into
+    # one buffer in JAX's replica program was tried: the copy cost what fewer gloo calls saved.)
     _, workers = wide
-    kernel = WIDE * WIDE
-    expected = [sum(int(np.prod(w.shape)) for w in build_wide_model().weights)] if keras.backend.backend() == "jax" else [kernel, kernel]
     for worker in workers:
         sent = [step for step in json.loads(str(worker["large_sent"])) if step]
-        assert len(sent) == 8 and all(step == expected for step in sent), sent  # every step of 2 epochs
+        assert len(sent) == 8 and all(step == [WIDE * WIDE] * 2 for step in sent), sent  # every step of 2 epochs
 
 
 @pytest.mark.parametrize("name", ["keras_steps", "own_steps"], ids=["Keras steps", "model's own steps"])

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
 from keras_strategies import replica_threads
-from keras_strategies.backend.jax import flat_buffers
+from keras_strategies.backend.jax import shared_state
 from keras_strategies.backend.jax.devices import device_scope, jax_device
 
 EQUAL_SHARDS = True
@@ -226,7 +226,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
     count = len(devices)
 
     def body(layout, treedef, buffers, stacked):
-        shared = jax.tree_util.tree_unflatten(treedef, flat_buffers.unpack(buffers, layout))
+        shared = jax.tree_util.tree_unflatten(treedef, shared_state.unpack(buffers, layout))
         own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], stacked)
         _in_replica_program.update(active=True, devices=len(devices))
         try:
@@ -258,9 +258,9 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
             lambda *leaves: None if leaves[0] is None else np.stack([np.asarray(l) for l in leaves]), *per_replica
         )
         leaves, treedef = jax.tree_util.tree_flatten(tuple(shared))
-        layout = flat_buffers.layout_of(leaves)
+        layout = shared_state.layout_of(leaves)
         # One transfer for the batch and the state: a `device_put` per array costs a dispatch each.
-        buffers, stacked = jax.device_put((flat_buffers.pack(leaves, layout, host), tuple(stacked)), (replicated, split))
+        buffers, stacked = jax.device_put((shared_state.pack(leaves, layout, host), tuple(stacked)), (replicated, split))
         outputs = program_for(layout, treedef)(buffers, stacked)
         leaves = tree.flatten(outputs)
         scalars = scalar_flags[tuple(None if leaf is None else tuple(leaf.shape) for leaf in leaves)]

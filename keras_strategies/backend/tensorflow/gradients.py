@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import tensorflow as tf
 from keras import ops
@@ -52,9 +52,3 @@ def add(x: Any, y: Any) -> Any:
     if isinstance(x, tf.IndexedSlices) or isinstance(y, tf.IndexedSlices):
         return ops.add(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
     return ops.add(x, y)
-
-
-def pack_for_exchange(grads: Sequence[Any]) -> list:
-    """The gradients as they cross workers: as they are. The engine's compiled exchange packs them
-    per dtype itself, as TF's own strategy does, and keeps an Embedding's `IndexedSlices` apart."""
-    return list(grads)

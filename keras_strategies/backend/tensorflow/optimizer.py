@@ -148,7 +148,3 @@ def apply_gradients(optimizer, grads, variables) -> None:
         cached = (key, tf.function(_Apply(optimizer, variables)))
         object.__setattr__(optimizer, _COMPILED, cached)
     cached[1](list(grads))
-
-
-# Gradients cross workers as they are here (`gradients.pack_for_exchange`).
-apply_exchanged_gradients = apply_gradients

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from keras import ops
@@ -46,9 +46,3 @@ add = ops.add
 def is_sliced(value: Any) -> bool:
     """Gradients here are always dense (TensorFlow's may be `IndexedSlices`)."""
     return False
-
-
-def pack_for_exchange(grads: Sequence[Any]) -> list:
-    """The gradients as they cross workers: as they are. gloo sums a large donated gradient in place
-    (no copy) and the small ones share a pack (`collectives.all_reduce_sum`)."""
-    return list(grads)

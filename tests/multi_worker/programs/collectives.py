@@ -100,7 +100,7 @@ donated_inputs.append(donated_inputs[0])
 for i, value in enumerate(strategy.extended._cross_worker_sum(donated_inputs, "donated values", donated=True)):
     results[f"donated_{i}"] = ops.convert_to_numpy(value)
 
-# Training where two gradients are large enough to go on their own (TF, torch) or packed (JAX).
+# Training where two gradients are large enough to be reduced on their own.
 wide_fit()
 
 # Batches shuffled after `batch()` without a seed: the partial batch moves to different steps on

@@ -327,9 +327,7 @@ LOOPS = {
 }
 
 
-# A 512 x 512 float32 kernel is 1 MiB: on TF and torch each such gradient is reduced on its own,
-# in place; on JAX the two of them travel in one flat buffer of all the gradients.
-WIDE = 512
+WIDE = 512  # a 512 x 512 float32 kernel is 1 MiB: its gradient is reduced on its own, without a copy
 
 
 def wide_data(n=N):

@@ -1,12 +1,10 @@
-"""Arrays in one flat buffer per dtype, and cut back inside a compiled program.
+"""The replicas' shared state (the model's variables) sent to the mesh in one buffer per dtype.
 
-Two uses. A compiled step hands every replica the same variables:
-`jax.device_put` of a list of arrays to a replicated sharding makes one
-transfer per array (about 0.7 ms for a small model's 16 arrays on 2 CPU
-devices), while one jitted concatenation and one transfer of its result take
-about 0.16 ms. And gradients cross workers in one buffer (see
-`gradients.pack_for_exchange`). The program that reads the buffers cuts them
-back into arrays, which XLA does without copies.
+A compiled step hands every replica the same variables. `jax.device_put` of a
+list of arrays to a replicated sharding makes one transfer per array (about 0.7
+ms for a small model's 16 arrays on 2 CPU devices), while one jitted
+concatenation and one transfer of its result take about 0.16 ms. The program
+cuts the buffers back into arrays, which XLA does without copies.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ def layout_of(leaves: Sequence[Any]) -> Layout:
     ends: dict = {}
     entries = []
     for leaf in leaves:
-        dtype, shape = jnp.dtype(leaf.dtype).name, tuple(leaf.shape)  # a Keras variable's dtype is a name
+        dtype, shape = np.dtype(leaf.dtype).name, tuple(leaf.shape)
         offset = ends.get(dtype, 0)
         ends[dtype] = offset + int(np.prod(shape, dtype=np.int64))
         entries.append((dtype, shape, offset))
@@ -37,15 +35,14 @@ def _dtypes(layout: Layout) -> list:
     return list(dict.fromkeys(dtype for dtype, _, _ in layout))
 
 
-def concatenated(leaves: Sequence[Any], layout: Layout) -> tuple:
-    """One flat buffer per dtype of `leaves` (traced or eager: `jnp.concatenate`)."""
+def _pack(leaves: Sequence[Any], layout: Layout) -> tuple:
     return tuple(
         jnp.concatenate([jnp.reshape(leaf, (-1,)) for leaf, entry in zip(leaves, layout) if entry[0] == dtype])
         for dtype in _dtypes(layout)
     )
 
 
-_pack_jitted = jax.jit(concatenated, static_argnums=1)
+_pack_jitted = jax.jit(_pack, static_argnums=1)
 
 
 def pack(leaves: Sequence[Any], layout: Layout, device: "jax.Device") -> tuple:

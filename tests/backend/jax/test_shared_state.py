@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keras_strategies.backend.jax import flat_buffers
+from keras_strategies.backend.jax import shared_state
 from keras_strategies.backend.jax.replicas import make_replicated
 
 
@@ -23,20 +23,20 @@ def _leaves():
 
 def test_leaves_come_back_bit_for_bit_with_their_shapes_and_dtypes_from_one_buffer_per_dtype():
     leaves = _leaves()
-    layout = flat_buffers.layout_of(leaves)
+    layout = shared_state.layout_of(leaves)
     assert layout == (("float32", (2, 3), 0), ("int32", (), 0), ("float32", (), 6), ("int32", (4,), 1),
                       ("float32", (0, 2), 7))
-    buffers = flat_buffers.pack(leaves, layout, jax.devices()[0])
+    buffers = shared_state.pack(leaves, layout, jax.devices()[0])
     assert [(b.dtype.name, b.shape) for b in buffers] == [("float32", (7,)), ("int32", (5,))]
     mesh = Mesh(np.array(jax.devices()[:2]), ("r",))
     replicated = jax.device_put(buffers, NamedSharding(mesh, P()))
-    unpacked = jax.jit(lambda b: flat_buffers.unpack(b, layout))(replicated)
+    unpacked = jax.jit(lambda b: shared_state.unpack(b, layout))(replicated)
     for got, want in zip(unpacked, leaves):
         assert got.dtype == np.asarray(want).dtype and got.shape == np.shape(want)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_every_replica_reads_the_flat_buffers_and_a_new_layout_gets_its_own_program():
+def test_every_replica_reads_the_shared_state_and_a_new_layout_gets_its_own_program():
     devices = ["cpu:0", "cpu:1", "cpu:2"]
     run = make_replicated(
         lambda replica_id, weights, count, x: (jnp.sum(weights) * x + count, replica_id), devices, compiled=True
