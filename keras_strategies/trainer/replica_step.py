@@ -314,11 +314,10 @@ class ReplicaStep:
 
     def _global_predictions(self, sizes: tuple, per_replica_predictions: list) -> Any:
         """The replicas' predictions of their real rows (`sizes`), concatenated on the host device."""
-        host = self.devices[0]
 
         def real_rows(prediction: Any, size: int) -> Any:  # no slicing op for a shard without padding
             rows = prediction if prediction.shape[0] == size else prediction[:size]
-            return engine.compiler.with_rows(engine.devices.copy_to(rows, host), size)
+            return engine.compiler.with_rows(self._on_host(rows), size)
 
         parts = [
             tree.map_structure(lambda p: real_rows(p, size), per_replica_predictions[i])
