@@ -38,6 +38,7 @@ Usage:
     python bench/mirrored_step_time.py --threads 0          # backend-default intra-op threads (default 1)
     python bench/mirrored_step_time.py --source /tmp/ks_snapshot  # a frozen copy of the package
     python bench/mirrored_step_time.py --worker --backend jax --devices 2 --mode ks --profile 20
+    KS_PROFILE_CALLERS=device_put python bench/mirrored_step_time.py --worker ... --profile 20  # + callers
 """
 
 from __future__ import annotations
@@ -388,9 +389,10 @@ def _profile(model, steps: int) -> None:
     profiler.disable()
     for sort in ("cumulative", "tottime"):
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(sort).print_stats(40)
-        if os.environ.get("KS_PROFILE_CALLERS"):
-            pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(sort).print_callers(os.environ["KS_PROFILE_CALLERS"])
+        stats = pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(sort)
+        stats.print_stats(40)
+        if os.environ.get("KS_PROFILE_CALLERS"):  # who calls the functions matching this pattern
+            stats.print_callers(os.environ["KS_PROFILE_CALLERS"])
         print(f"==== cProfile, {steps} steps, sorted by {sort} ====\n{out.getvalue()}", file=sys.stderr)
 
 
