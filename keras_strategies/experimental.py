@@ -12,10 +12,10 @@ TensorFlow. Strategies and tools this package does not provide raise an
 
 from __future__ import annotations
 
-from keras_strategies import _missing
-from keras_strategies.input.context import ValueContext
+from keras_strategies.distribute import missing_names as _missing
+from keras_strategies.input.options import ValueContext
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
-from keras_strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 
 CollectiveCommunication = CommunicationImplementation  # TF's older name for the same enum
 

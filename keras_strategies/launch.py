@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Sequence
 
-from keras_strategies.launcher.cluster import free_ports, tf_config_for
+from keras_strategies.launcher.tf_config import free_ports, tf_config_for
 from keras_strategies.launcher.supervisor import DEFAULT_GRACE, TIMEOUT_EXIT_CODE, launch
 
 __all__ = [

@@ -55,7 +55,7 @@ _PROCESS_TESTS = (
     "tests/multi_worker/test_multi_worker_",
     "tests/test_launch.py::",
     "tests/tutorials/",
-    "tests/test_devices.py::test_environment_variable_and_function_in_a_fresh_process",
+    "tests/distribute/test_devices.py::test_environment_variable_and_function_in_a_fresh_process",
 )
 
 

@@ -22,9 +22,9 @@ from keras import ops
 from keras.src import tree
 
 from keras_strategies.backend import engine
-from keras_strategies.input.context import InputContext, InputOptions, InputReplicationMode
+from keras_strategies.input.options import InputContext, InputOptions, InputReplicationMode
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
-from keras_strategies.values import PerReplica, regroup
+from keras_strategies.distribute.values import PerReplica, regroup
 
 
 def _batches(source: Any) -> Iterator[Any]:

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import IO, Callable, Mapping, Sequence
 
-from keras_strategies.launcher.cluster import free_ports, task_name, tf_config_for
+from keras_strategies.launcher.tf_config import free_ports, task_name, tf_config_for
 from keras_strategies.launcher.processes import (
     LineWriter,
     WorkerProcess,

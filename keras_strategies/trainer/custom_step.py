@@ -29,7 +29,9 @@ from keras import ops
 from keras.src import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_strategies import context, keras_state, loss_reduction
+from keras_strategies.distribute import context
+from keras_strategies.backend.common import keras_state
+from keras_strategies.keras_integration import loss_reduction
 from keras_strategies.backend import engine
 from keras_strategies.input import padding
 from keras_strategies.input.splitting import split_batch

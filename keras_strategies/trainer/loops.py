@@ -25,7 +25,7 @@ from keras.src.utils.python_utils import pythonify_logs
 from keras_strategies.backend import engine
 from keras_strategies.input import worker_sharding
 from keras_strategies.input.keras_input import keras_input
-from keras_strategies.multi_worker import chief_only
+from keras_strategies.keras_integration import chief_only
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
 from keras_strategies.trainer.replica_step import ReplicaStep
 from keras_strategies.trainer.stopping import StopAgreement

@@ -40,13 +40,16 @@ from keras.src import tree
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_strategies import context, keras_state, loss_reduction, optimizer_hooks
+from keras_strategies.distribute import context
+from keras_strategies.backend.common import keras_state
+from keras_strategies.keras_integration import loss_reduction
+from keras_strategies.keras_integration import optimizer_hooks
 from keras_strategies.backend import engine
 from keras_strategies.input import padding, worker_sharding
 from keras_strategies.trainer import cross_worker
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
-from keras_strategies.reduce_op import ReduceOp
-from keras_strategies.values import PerReplica
+from keras_strategies.distribute.reduce_op import ReduceOp
+from keras_strategies.distribute.values import PerReplica
 
 STOPPED = object()
 """What a step returns instead of its results when a worker asked to stop before it (`trainer/stopping.py`)."""

@@ -15,8 +15,8 @@ import pytest
 
 import keras_strategies as ks
 from keras_strategies.cluster_resolver import SimpleClusterResolver
-from keras_strategies.multi_worker import chief_only
-from keras_strategies.multi_worker.cluster import resolve
+from keras_strategies.keras_integration import chief_only
+from keras_strategies.multi_worker.worker_cluster import resolve
 from keras_strategies.multi_worker.health import HealthMonitor, LostWorkerError
 
 

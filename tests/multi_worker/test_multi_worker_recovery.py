@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_strategies.launcher.cluster import free_ports, tf_config_for
+from keras_strategies.launcher.tf_config import free_ports, tf_config_for
 from keras_strategies.launcher.supervisor import worker_env
 from mw_launch import PROGRAMS, check, run_program
 

@@ -7,3 +7,4 @@ from keras_strategies.backend.jax import replicas  # noqa: F401
 from keras_strategies.backend.jax import optimizer  # noqa: F401
 from keras_strategies.backend.jax import trainer  # noqa: F401
 from keras_strategies.backend.jax import collectives  # noqa: F401
+from keras_strategies.backend.jax import keras_hooks  # noqa: F401

@@ -18,7 +18,7 @@ from jax._src import core, distributed, xla_bridge
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keras_strategies.multi_worker import packing
+from keras_strategies.backend.common import packing
 
 _state: dict = {}
 

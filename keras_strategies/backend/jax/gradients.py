@@ -7,7 +7,7 @@ from typing import Any, Callable
 import jax
 from keras import ops
 
-from keras_strategies.replica_variables import RecordingScope
+from keras_strategies.backend.common.replica_variables import RecordingScope
 
 
 def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
-from keras_strategies import replica_threads
+from keras_strategies.backend.common import replica_threads
 from keras_strategies.backend.jax import shared_state
 from keras_strategies.backend.jax.devices import device_scope, jax_device
 

@@ -63,7 +63,3 @@ def pipeline_order_seed() -> Optional[int]:
     (`_use_chief_input_rngs`), so all read the chief's order.
     """
     return 0
-
-
-def install() -> None:
-    """Keras hooks this engine needs: none (torch's wraps `TorchModuleWrapper`)."""

@@ -8,5 +8,5 @@ from keras_strategies.backend.tensorflow import optimizer  # noqa: F401
 
 from keras_strategies.backend.tensorflow import trainer  # noqa: F401
 from keras_strategies.backend.tensorflow import collectives  # noqa: F401
+from keras_strategies.backend.tensorflow import keras_hooks  # noqa: F401
 
-optimizer.install()

@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from keras_strategies import partition
+from keras_strategies.backend.common import partition
 from keras_strategies.backend.tensorflow import gradients
-from keras_strategies.multi_worker import packing
+from keras_strategies.backend.common import packing
 
 _state: dict = {}
 

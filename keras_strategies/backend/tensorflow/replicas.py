@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 import tensorflow as tf
 from keras.src import tree
 
-from keras_strategies import partition
+from keras_strategies.backend.common import partition
 from keras_strategies.backend.tensorflow import gradients
 
 # tf.distribute accepts per-replica values of different shapes.

@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
-# The step writes the model's variables itself (see `keras_strategies.replica_variables`).
+# The step writes the model's variables itself (see `keras_strategies.backend.common.replica_variables`).
 STATEFUL_STEPS = True
 # Keras' own TensorFlow trainer builds a model when its step is first traced, not before `fit`.
 DEFERS_BUILD = True
@@ -62,7 +62,3 @@ def pipeline_order_seed() -> Optional[int]:
     from tensorflow.python.eager import context
 
     return context.global_seed()
-
-
-def install() -> None:
-    """Keras hooks this engine needs: none (torch's wraps `TorchModuleWrapper`)."""

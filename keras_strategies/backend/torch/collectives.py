@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_strategies.multi_worker import packing
+from keras_strategies.backend.common import packing
 
 _state: dict = {}
 

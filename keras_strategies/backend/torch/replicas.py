@@ -1,4 +1,4 @@
-"""PyTorch replicas: one Python thread per replica (see `keras_strategies.replica_threads`).
+"""PyTorch replicas: one Python thread per replica (see `keras_strategies.backend.common.replica_threads`).
 
 PyTorch has no single-process SPMD program. `all_reduce` exchanges tensors
 between the replica threads and is differentiable: its backward pass
@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from keras_strategies import replica_threads
+from keras_strategies.backend.common import replica_threads
 from keras_strategies.backend.torch import module_buffers
 from keras_strategies.backend.torch.devices import torch_device
 

@@ -1,0 +1,7 @@
+"""Backend-neutral pieces the engines build on (and the only package they import besides their own).
+
+- `replica_threads`: replicas as Python threads taking turns.
+- `replica_variables`: what replicas write to variables, and how writes are combined.
+- `keras_state`: Keras' thread-local settings carried into replica threads.
+- `partition`, `packing`: how lists of tensors are split and laid out for collectives.
+"""

@@ -1,0 +1,62 @@
+"""The Keras methods this engine replaces: `TorchModuleWrapper.call` in replica steps.
+
+Replicas run the model statelessly (`stateless_call`), which a wrapped
+`torch.nn.Module` ignores: it would compute with, and never train, its own
+parameters. Listed with the other replacements in `keras_strategies.keras_integration`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.utils.torch_utils import TorchModuleWrapper
+
+from keras_strategies.backend.torch import module_buffers
+
+# (Keras method, why), for the table of `keras_strategies.keras_integration`.
+REPLACED = (
+    ("keras.src.utils.torch_utils.TorchModuleWrapper.call",
+     "a wrapped torch.nn.Module runs on the replica's values of its parameters and buffers"),
+)
+
+
+def _wrap_torch_module_call(original: Callable, strategy_context: Any) -> Callable:
+    @functools.wraps(original)
+    def call(self, *args, training=None, **kwargs):
+        scope = get_stateless_scope()
+        if scope is None or not strategy_context.has_strategy():
+            return original(self, *args, training=training, **kwargs)
+        # The module's own forward reads its `nn.Parameter`s, not the replica's values of the
+        # variables that wrap them: run it on those values, so that gradients reach them.
+        by_parameter = {id(variable._value): variable for variable in self.variables}  # `.value` reads the scope
+        values = {}
+        for name, parameter in self.module.named_parameters():
+            variable = by_parameter.get(id(parameter))
+            value = None if variable is None else scope.get_current_value(variable)
+            if value is not None:
+                values[name] = value
+        self.train(training is not False)
+        replica_context = strategy_context.get_replica_context()
+        if training is not False and replica_context is not None and replica_context.num_replicas_in_sync > 1:
+            # Its buffers too, each replica its own copies (combined when the replicas are done).
+            rows = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].ndim else None
+            values.update(module_buffers.replica_copies(self, replica_context, rows))
+        return torch.func.functional_call(self.module, values, args, kwargs, strict=False)
+
+    call._ks_original = original
+    return call
+
+
+def install(strategy_context: Any) -> None:
+    """Replaces the methods of `REPLACED` (idempotent).
+
+    `strategy_context` answers `has_strategy()` and `get_replica_context()`
+    (`keras_strategies.distribute.context`); it is passed in so that the engine
+    depends on nothing outside `keras_strategies.backend`.
+    """
+    if hasattr(TorchModuleWrapper.call, "_ks_original"):
+        return
+    TorchModuleWrapper.call = _wrap_torch_module_call(TorchModuleWrapper.call, strategy_context)

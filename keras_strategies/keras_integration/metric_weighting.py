@@ -1,0 +1,52 @@
+"""Scalar updates of a Keras `Mean` metric in a model's own step count with the replica's share.
+
+The Keras guide's `train_step` / `test_step` track the loss with
+`metric.update_state(loss)`: on one device each batch's mean loss counts once.
+Under a strategy the step runs once per replica, on that replica's shard
+(`trainer/custom_step.py`), so the same line would count every replica's mean
+once: uneven shards would be averaged without regard to their sizes, and a
+batch would weigh as much as the number of replicas with rows. Weighted by the
+replica's share of the global batch (`rows_i / B`, the weight its gradients
+get), the replicas' updates of one step add up to the batch's mean, counted
+once, as on one device.
+
+Only a scalar without a sample weight is reweighted: per-sample values
+already count their rows, and a sample weight given is the user's. `Sum`
+metrics are left alone (a scalar summed there may be a count, not a mean).
+Outside a model's own step on a replica, Keras' method runs unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import numpy as np
+from keras.src.metrics.reduction_metrics import Mean
+
+from keras_strategies.distribute import context
+
+
+def _replica_share() -> Any:
+    """The replica's share of the batch in a model's own step (`ReplicaContext._gradient_weight`), else None."""
+    replica_context = context.get_replica_context()
+    return None if replica_context is None else replica_context._gradient_weight
+
+
+def _wrap(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def update_state(self, values, sample_weight=None):
+        share = _replica_share()
+        if share is not None and sample_weight is None and len(getattr(values, "shape", np.shape(values))) == 0:
+            sample_weight = share
+        return original(self, values, sample_weight=sample_weight)
+
+    update_state._ks_original = original
+    return update_state
+
+
+def install() -> None:
+    """Installs the hook (idempotent)."""
+    if hasattr(Mean.update_state, "_ks_original"):
+        return
+    Mean.update_state = _wrap(Mean.update_state)

@@ -1,0 +1,134 @@
+"""Optimizer updates under a multi-replica strategy, from replica context.
+
+Called inside `strategy.run` (a custom loop, or a custom `train_step`),
+`optimizer.apply(grads, vars)` / `apply_gradients(grads_and_vars)` sum the
+gradients across replicas, then apply ONE update in cross-replica context, so
+clipping (`clipnorm`, `clipvalue`, `global_clipnorm`) acts on the summed
+gradient, as in tf-keras. `apply_gradients(..., skip_gradients_aggregation=True)`
+is for users who all-reduce themselves. Outside strategy scopes, and for the
+update that `fit` performs itself, Keras' code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, Iterator
+
+from keras import ops
+from keras.src import backend as keras_backend
+from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+
+from keras_strategies.distribute import context
+from keras_strategies.backend import engine
+from keras_strategies.distribute.reduce_op import ReduceOp
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def _flag(name: str) -> Iterator[None]:
+    previous = getattr(_state, name, False)
+    setattr(_state, name, True)
+    try:
+        yield
+    finally:
+        setattr(_state, name, previous)
+
+
+def direct_update() -> contextlib.AbstractContextManager:
+    """Applies an update as Keras would, without the hook (used by `fit`, which reduces itself)."""
+    return _flag("direct")
+
+
+def _wrap_apply(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        if getattr(_state, "direct", False) or not context.has_strategy():
+            return original(self, grads, trainable_variables)
+        strategy = context.get_strategy()
+        replica_context = context.get_replica_context()
+        if replica_context is None:
+            raise RuntimeError(
+                "`apply_gradients()` cannot be called in cross-replica context. Call it inside "
+                "`strategy.run(fn)`, where each replica passes its own gradients; they are summed "
+                "across replicas and applied once."
+            )
+
+        def update(_strategy):
+            if not self.built and trainable_variables is not None:
+                # Built at the first update, which may be traced inside a compiled step: its
+                # variables are created outside the trace, as tf-keras creates its slots.
+                with engine.compiler.outside_compiled(), keras_backend.name_scope(self.name, caller=self):
+                    self.build(list(trainable_variables))
+                self.built = True
+            with direct_update():
+                if trainable_variables is None:
+                    return original(self, grads, trainable_variables)
+                return engine.optimizer.apply_gradients(self, grads, list(trainable_variables))
+
+        if strategy.num_replicas_in_sync == 1:
+            # The engine's update too: on JAX a stateful `LossScaleOptimizer` cannot run eagerly.
+            return update(strategy)
+        grads = _aggregate(replica_context, grads)
+        return replica_context.merge_call(update)
+
+    apply._ks_original = original
+    return apply
+
+
+def _aggregate(replica_context: Any, grads: Any) -> list:
+    """Sums gradients over replicas, each weighted by its share of the batch when known."""
+    grads = list(grads)
+    if getattr(_state, "skip_aggregation", False):
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    weight = replica_context._gradient_weight
+    local = [grads[i] if weight is None else ops.multiply(grads[i], weight) for i in present]  # keeps IndexedSlices
+    # Not `replica_context.all_reduce`: nothing differentiates this sum, so it needs no gradient rule.
+    summed = replica_context.strategy.extended._all_reduce(replica_context, ReduceOp.SUM, local)
+    for i, g in zip(present, summed):
+        grads[i] = g
+    return grads
+
+
+def _wrap_stateless_apply(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        replica_context = context.get_replica_context()
+        if (
+            getattr(_state, "direct", False)
+            or not context.has_strategy()
+            or replica_context is None
+            or context.get_strategy().num_replicas_in_sync == 1
+        ):
+            return original(self, optimizer_variables, grads, trainable_variables)
+        # Every replica applies the same summed gradients to the same state: no merge needed.
+        with direct_update():
+            return original(self, optimizer_variables, _aggregate(replica_context, grads), trainable_variables)
+
+    stateless_apply._ks_original = original
+    return stateless_apply
+
+
+def _wrap_apply_gradients(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def apply_gradients(self, grads_and_vars, skip_gradients_aggregation=False, experimental_aggregate_gradients=True, **kwargs):
+        skip = skip_gradients_aggregation or not experimental_aggregate_gradients
+        with _flag("skip_aggregation") if skip else contextlib.nullcontext():
+            return original(self, grads_and_vars, **kwargs)
+
+    apply_gradients._ks_original = original
+    return apply_gradients
+
+
+def install() -> None:
+    """Installs the optimizer hooks (idempotent)."""
+    base = base_optimizer.BaseOptimizer
+    if hasattr(base.apply, "_ks_original"):
+        return
+    for cls in (base, loss_scale_optimizer.LossScaleOptimizer):
+        cls.apply = _wrap_apply(cls.apply)
+        cls.stateless_apply = _wrap_stateless_apply(cls.stateless_apply)
+    base.apply_gradients = _wrap_apply_gradients(base.apply_gradients)

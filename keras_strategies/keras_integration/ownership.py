@@ -1,0 +1,158 @@
+"""Hooks that connect Keras objects to the strategy they were built under.
+
+Installed once at import. Each hook first checks whether a strategy is
+involved and otherwise calls Keras' own code unchanged, so models built
+outside every strategy scope behave exactly as without this package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+from keras.src.backend.common import variables as keras_variables
+from keras.src.layers import layer as keras_layer
+from keras.src.models import model as keras_model
+from keras.src.trainers import trainer as keras_trainer
+
+from keras_strategies.distribute import context
+from keras_strategies.backend.common import replica_variables
+
+# Model methods whose work runs under the model's strategy.
+KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+_STRATEGY_ATTR = "_ks_strategy"
+
+
+def strategy_of(obj: Any):
+    """The strategy `obj` (a model or variable) was created under, or `None`."""
+    return getattr(obj, _STRATEGY_ATTR, None)
+
+
+def _record_current_strategy(obj: Any) -> None:
+    if context.has_strategy():
+        strategy = context.get_strategy()
+        object.__setattr__(obj, _STRATEGY_ATTR, strategy)
+        strategy.extended._track(obj)
+
+
+def _wrap_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _record_current_strategy(self)
+
+    __init__._ks_original = original
+    return __init__
+
+
+@contextlib.contextmanager
+def _as_in_scope(strategy: Any) -> Iterator[None]:
+    """Where state first needed inside `strategy.run` is created: as in `strategy.scope()`.
+
+    In a replica's stateless scope Keras would defer a new variable (every
+    read before the replica ends draws new initial values) and the other
+    replicas could not share it. tf.distribute lets a layer build on its first
+    call inside `run` (TensorFlow's custom-training guide does), so the build
+    runs outside the replica: outside its stateless scope, any compiled trace
+    and the backend's own replica context, in cross-replica context (a build
+    that calls the layer symbolically meets no other replica at a collective),
+    on the primary device.
+    """
+    from keras_strategies.backend import engine  # noqa: PLC0415 - the engine imports these hooks' users
+
+    with replica_variables.outside_stateless_scopes(), context.enter_frame(strategy, None), \
+            engine.compiler.outside_replicas(), strategy.extended._scope_placement():
+        yield
+        # Several workers: every worker builds at the same point; all take the chief's values.
+        strategy.extended._sync_variables_from_chief()
+
+
+def _wrap_maybe_build(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _maybe_build(self, call_spec):
+        if self.built or not replica_variables.in_replica_scope():
+            return original(self, call_spec)
+        with _as_in_scope(context.get_strategy()):
+            return original(self, call_spec)
+
+    _maybe_build._ks_original = original
+    return _maybe_build
+
+
+def _wrap_variable_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        # Inside a replica: created by the replica function itself (a metric, a seed generator).
+        inside = replica_variables.in_replica_scope()
+        with _as_in_scope(context.get_strategy()) if inside else contextlib.nullcontext():
+            original(self, *args, **kwargs)
+            _record_current_strategy(self)
+
+    __init__._ks_original = original
+    return __init__
+
+
+def _wrap_compile(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        if context.has_strategy():
+            current, own = context.get_strategy(), strategy_of(self)
+            if own is not None and own is not current:
+                raise ValueError(
+                    f"This model was created under {own!r} but is compiled under {current!r}. "
+                    "Build and compile a model inside the scope of one strategy."
+                )
+            object.__setattr__(self, _STRATEGY_ATTR, current)
+        return original(self, *args, **kwargs)
+
+    compile._ks_original = original
+    return compile
+
+
+def _check_call_site(name: str, model: Any) -> None:
+    """Clear errors for the two ways to call a Keras method where it cannot work under a strategy."""
+    if not context.has_strategy():
+        return
+    replica_context = context.get_replica_context()
+    if replica_context is not None and not replica_context._runs_keras_method:
+        raise RuntimeError(
+            f"`Model.{name}` cannot be called inside `strategy.run` (in a replica context): call it "
+            "outside `strategy.run`, where it splits each batch across the replicas itself."
+        )
+    if strategy_of(model) is None and name in ("fit", "train_on_batch"):
+        raise ValueError(
+            f"This model was built and compiled outside any strategy scope, but `{name}` is called "
+            f"inside the scope of {context.get_strategy()!r}: its variables are not distributed. "
+            "Create and compile the model inside `with strategy.scope():` (then call `fit` inside or "
+            f"outside it), or call `{name}` outside the scope to train on one device."
+        )
+
+
+def _wrap_method(name: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        _check_call_site(name, self)
+        strategy = strategy_of(self)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        return strategy.extended._run_keras_method(name, original, self, args, kwargs)
+
+    method._ks_original = original
+    return method
+
+
+def install() -> None:
+    """Installs the hooks (idempotent)."""
+    trainer_cls, model_cls = keras_trainer.Trainer, keras_model.Model
+    variable_cls, layer_cls = keras_variables.Variable, keras_layer.Layer
+    if hasattr(trainer_cls.__init__, "_ks_original"):
+        return
+    trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
+    variable_cls.__init__ = _wrap_variable_init(variable_cls.__init__)
+    layer_cls._maybe_build = _wrap_maybe_build(layer_cls._maybe_build)
+    # On Trainer itself: Keras' `compile_from_config` compares `cls.compile` with `Trainer.compile`.
+    trainer_cls.compile = _wrap_compile(trainer_cls.compile)
+    for name in KERAS_METHODS:
+        setattr(model_cls, name, _wrap_method(name, getattr(model_cls, name)))

@@ -1,0 +1,1 @@
+"""One module per strategy, each built on `keras_strategies.distribute` and the backend engine."""

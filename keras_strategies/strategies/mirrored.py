@@ -1,0 +1,112 @@
+"""`MirroredStrategy`: synchronous data parallelism over the devices of one machine."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from keras_strategies.distribute.reduce_op import ReduceOp
+from keras_strategies.backend.common.replica_variables import outside_replica_scope
+from keras_strategies.distribute import context
+from keras_strategies.backend.common import keras_state
+from keras_strategies.distribute.values import map_structure, regroup, select_replica
+from keras_strategies.backend import engine
+from keras_strategies.distribute.cross_device_ops import CrossDeviceOps, select_cross_device_ops
+from keras_strategies.distribute.devices import default_compute_devices, resolve_devices
+from keras_strategies.distribute.strategy import Strategy, StrategyExtended
+
+
+class MirroredExtended(StrategyExtended):
+    def __init__(self, container, devices: Sequence[str], cross_device_ops: Optional[CrossDeviceOps]):
+        super().__init__(container, devices, place_variables=True)
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise ValueError(
+                f"cross_device_ops must be a ks.CrossDeviceOps (e.g. ks.ReductionToOneDevice()), "
+                f"got {cross_device_ops!r}."
+            )
+        self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._devices)
+        # With the default choice, Keras steps may sum gradients inside the replica program
+        # with the backend's own all-reduce; an explicit choice is always honoured.
+        self._default_cross_device_ops = cross_device_ops is None
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if len(self._devices) == 1:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        snapshot = keras_state.capture()
+        strategy = self._container
+        writes = self._replica_writes(self._devices)
+
+        def replica(replica_id, *_):
+            replica_context = context.ReplicaContext(strategy, replica_id, in_program=True)
+            with keras_state.installed(snapshot), context.enter_frame(strategy, replica_context), \
+                    writes.scope(replica_id):
+                return fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
+
+        run = engine.replicas.make_replicated(replica, self._devices, compiled=False, variables=self._scope_variables())
+        results = run((), [() for _ in self._devices])
+        self._combine_writes(writes)
+        return regroup(results)
+
+    def _merge_call(self, replica_context, merge_fn, args, kwargs):
+        if self.num_replicas_in_sync == 1:
+            return super()._merge_call(replica_context, merge_fn, args, kwargs)
+        # Even one local replica (of several workers) merges through the engine, which leaves
+        # the backend's replica context (TensorFlow's optimizer needs its cross-replica context).
+        strategy = self._container
+
+        def merge(per_replica):
+            merged_args, merged_kwargs = regroup(per_replica)
+            with context.enter_frame(strategy, None), outside_replica_scope():
+                return merge_fn(strategy, *merged_args, **merged_kwargs)
+
+        return engine.replicas.merge_call(merge, (tuple(args), dict(kwargs)))
+
+    def _local_all_reduce(self, replica_context, reduce_op, value):
+        if len(self._devices) == 1:
+            return value
+        if not replica_context._in_program:
+            raise NotImplementedError(
+                "ReplicaContext.all_reduce needs the replicas to run together, inside "
+                "strategy.run or a Keras step of this strategy."
+            )
+
+        def reduce_one(leaf):
+            total = engine.replicas.all_reduce_sum(leaf)
+            return total / len(self._devices) if reduce_op == ReduceOp.MEAN else total
+
+        return map_structure(reduce_one, value)
+
+    def _all_reduce(self, replica_context, reduce_op, value):
+        return self._local_all_reduce(replica_context, reduce_op, value)
+
+    def _all_gather(self, replica_context, value, axis):
+        if len(self._devices) == 1:
+            return value
+        if not replica_context._in_program:
+            raise NotImplementedError(
+                "ReplicaContext.all_gather needs the replicas to run together, inside "
+                "strategy.run or a Keras step of this strategy."
+            )
+        return map_structure(lambda leaf: engine.replicas.all_gather(leaf, axis), value)
+
+    def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+        if self.num_replicas_in_sync == 1:
+            # Nothing to split or reduce: Keras' own compiled step, on the one device.
+            return super()._run_keras_method(name, method, model, args, kwargs)
+        from keras_strategies.trainer.loops import LOOPS
+
+        with self._container.scope():
+            return LOOPS[name](model, self._container, *args, **kwargs)
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training on several devices of one machine.
+
+    `devices=None` means every local accelerator, or every (virtual) CPU
+    device when there is none. Each global batch is split across the
+    replicas; gradients are summed with `cross_device_ops` (chosen as
+    TensorFlow does when `None`) and one identical update is applied.
+    """
+
+    def __init__(self, devices: Optional[Sequence[str]] = None, cross_device_ops: Optional[CrossDeviceOps] = None):
+        chosen = default_compute_devices() if devices is None else resolve_devices(devices)
+        super().__init__(MirroredExtended(self, chosen, cross_device_ops))
