@@ -229,7 +229,7 @@ class StrategyExtended:
             >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> with strategy.scope():
             ...     v = keras.Variable(2.0)
-            >>> float(strategy.extended.read_var(v))
+            >>> float(keras.ops.convert_to_numpy(strategy.extended.read_var(v)))
             2.0
         """
         return var.value
