@@ -90,7 +90,7 @@ def frames_installed(frames: list) -> Iterator[None]:
         _stack.frames = saved
 
 
-def get_strategy() -> "Strategy":
+def get_strategy() -> Strategy:
     """The current strategy: the innermost scope's, else the default strategy.
 
     As `tf.distribute.get_strategy`. The default strategy runs everything
@@ -143,7 +143,7 @@ def in_cross_replica_context() -> bool:
     return top is not None and top.replica_context is None
 
 
-def get_replica_context() -> Optional["ReplicaContext"]:
+def get_replica_context() -> Optional[ReplicaContext]:
     """The replica context, `None` in cross-replica context.
 
     As `tf.distribute.get_replica_context`. Inside `strategy.run` it gives
@@ -175,7 +175,7 @@ def get_cross_replica_context() -> Optional["Strategy"]:
     return top.strategy if top.replica_context is None else None
 
 
-def experimental_set_strategy(strategy: Optional["Strategy"]) -> None:
+def experimental_set_strategy(strategy: Optional[Strategy]) -> None:
     """Makes `strategy` current without a `with` block; `None` clears it.
 
     As `tf.distribute.experimental_set_strategy`: the same as entering
@@ -245,7 +245,7 @@ class ReplicaContext:
         self._scalar_loss = False
 
     @property
-    def strategy(self) -> "Strategy":
+    def strategy(self) -> Strategy:
         """The strategy this replica belongs to."""
         return self._strategy
 
@@ -277,7 +277,7 @@ class ReplicaContext:
         local = self._strategy.extended.worker_devices
         return (local[self._replica_id % len(local)],)
 
-    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
         """Reduces a nested structure across replicas; every replica gets the result.
 
         Differentiable on every backend: a loss built from it trains like one device.

@@ -52,7 +52,7 @@ class CrossDeviceOps:
         [2.0, 2.0]
     """
 
-    def reduce(self, reduce_op: "ReduceOp | str", per_replica_value: Any, destinations: Any, options: Any = None) -> Any:
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any, options: Any = None) -> Any:
         """Reduces one per-replica value to `destinations` (a device name, or a value on that device).
 
         Examples:
@@ -62,7 +62,7 @@ class CrossDeviceOps:
         """
         return self.reduce_implementation(ReduceOp.parse(reduce_op), per_replica_value, destinations, options)
 
-    def batch_reduce(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple], options: Any = None) -> list:
+    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple], options: Any = None) -> list:
         """Reduces several `(value, destinations)` pairs; the unit of gradient all-reduce.
 
         Examples:

@@ -21,7 +21,7 @@ class ReduceOp(enum.Enum):
     MEAN = "MEAN"
 
     @staticmethod
-    def from_variable_aggregation(aggregation: str) -> "ReduceOp":
+    def from_variable_aggregation(aggregation: str) -> ReduceOp:
         """Maps a Keras variable aggregation ("sum"/"mean") to a `ReduceOp`.
 
         Examples:
@@ -39,7 +39,7 @@ class ReduceOp(enum.Enum):
         )
 
     @staticmethod
-    def parse(value: "ReduceOp | str") -> "ReduceOp":
+    def parse(value: ReduceOp | str) -> ReduceOp:
         """Accepts a `ReduceOp` or its name in any case (`"sum"`, `"MEAN"`).
 
         Examples:

@@ -145,7 +145,7 @@ class StrategyExtended:
                 "`ks.get_replica_context().all_reduce` (or `merge_call`)."
             )
 
-    def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any, options: Any = None) -> Any:
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any, options: Any = None) -> Any:
         """`value` reduced across replicas (and workers), mirrored on `destinations`.
 
         Call it in cross-replica context (for example in a `merge_call` function);
@@ -168,7 +168,7 @@ class StrategyExtended:
         self._check_cross_replica("reduce_to")
         return self._mirrored_to(self._reduce(ReduceOp.parse(reduce_op), value, None), destinations)
 
-    def batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple],
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple],
                         options: Any = None) -> list:
         """`reduce_to` for each `(value, destinations)` pair; returns the results in order.
 
@@ -494,7 +494,7 @@ class Strategy:
         return None
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator["Strategy"]:
+    def scope(self) -> Iterator[Strategy]:
         """Makes this strategy current; what is built inside belongs to it.
 
         Create models, optimizers and metrics inside the scope: their variables
@@ -560,7 +560,7 @@ class Strategy:
             raise TypeError(f"`kwargs` of `strategy.run` must be a dict, got {type(kwargs).__name__}.")
         return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
-    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: Optional[int]) -> Any:
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Optional[int]) -> Any:
         """Combines per-replica values across replicas (and along `axis`, if given) on the host.
 
         With `axis`, `MEAN` divides by the total number of elements along that

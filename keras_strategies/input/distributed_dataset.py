@@ -144,7 +144,8 @@ class DistributedDataset:
     As `tf.distribute.DistributedDataset`: iterate it (`for`, `iter`) for one
     distributed value per step, each leaf a `PerReplica` with every replica's
     part, and pass that to `strategy.run`. Iteration stops when no replica
-    (of any worker) has data left; nothing is dropped.
+    (of any worker) has data left; nothing is dropped. Get it from the
+    strategy; do not construct it.
 
     Examples:
         >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])

@@ -79,7 +79,7 @@ class CommunicationOptions:
         """`timeout_seconds`, or the default of 300 s when it is `None`."""
         return float(self.timeout_seconds) if self.timeout_seconds is not None else DEFAULT_TIMEOUT_SECONDS
 
-    def merge(self, options: Optional["CommunicationOptions"]) -> "CommunicationOptions":
+    def merge(self, options: Optional[CommunicationOptions]) -> CommunicationOptions:
         """These options with the non-default fields of `options` on top (as TensorFlow's `Options.merge`).
 
         Examples:
