@@ -107,7 +107,7 @@ def _finish(reduce_op: ReduceOp, total: Any, count: int) -> Any:
 class ReductionToOneDevice(CrossDeviceOps):
     """Copies every component to one device and accumulates there, as `tf.distribute.ReductionToOneDevice`.
 
-    The default of `MirroredStrategy` unless every device is a GPU.
+    The default of `MirroredStrategy` unless its devices are several GPUs.
 
     Args:
         reduce_to_device: Where to accumulate (default: the destination).

@@ -533,7 +533,7 @@ class Strategy:
         `PerReplica` arguments (such as the elements of a distributed dataset)
         are unpacked per replica; other arguments are passed unchanged to every
         replica. The result has the structure of `fn`'s, each leaf a `PerReplica`
-        (or the value itself when it is the same Python object on every replica).
+        (or the value itself when every replica returns the same object or number).
 
         Args:
             fn: The replica function.

@@ -102,8 +102,9 @@ class MirroredStrategy(Strategy):
     """Synchronous training on several devices of one machine, as `tf.distribute.MirroredStrategy`.
 
     Each global batch is split across the replicas; gradients are summed
-    and one identical update is applied, so training matches one device
-    with the same global batch. The methods are those of `ks.Strategy`.
+    and one identical update is applied, so training matches that of one
+    device with the same global batch (up to floating-point rounding). The
+    methods are those of `ks.Strategy`.
 
     Args:
         devices: Device names (`["gpu:0", "gpu:1"]`); `None` means every local

@@ -344,8 +344,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     operation: it joins the cluster (blocking until every worker has
     started). Each worker uses all its local accelerators, else all its
     (virtual) CPU devices; `num_replicas_in_sync` is workers x local devices.
-    Every worker runs the same program; only the chief writes checkpoints
-    and logs. The methods are those of `ks.Strategy`.
+    Every worker runs the same program; only the chief leaves Keras'
+    checkpoints, saved models and logs behind and prints progress. The
+    methods are those of `ks.Strategy`.
 
     Args:
         cluster_resolver: Where the cluster and this worker's role come from;
