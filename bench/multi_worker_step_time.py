@@ -11,8 +11,8 @@ batch 256, so 128 rows per worker). Per backend it measures:
    multi-process path ("native" jobs), reported as the ratio ours / native:
    - TensorFlow: a `tf.distribute.MultiWorkerMirroredStrategy` custom training
      loop (a `tf.function` train step with `strategy.run` and
-     `optimizer.apply_gradients`; Keras 3 `fit` under TF's MWMS is broken,
-     keras-team/keras#20585).
+     `optimizer.apply_gradients`; Keras 3 `fit` does not run under TF's
+     own MultiWorkerMirroredStrategy).
    - JAX: Keras' own multi-process path, `keras.distribution.initialize(...)` +
      `set_distribution(DataParallel(devices=list_devices()))` + `fit`, each
      process feeding its half of every global batch (`batch_size=128`,

@@ -8,6 +8,14 @@ for compatibility (`CollectiveCommunication`, the experimental
 `MultiWorkerMirroredStrategy`) are the same objects as the stable ones, as in
 TensorFlow. Strategies and tools this package does not provide raise an
 `AttributeError` that says so.
+
+Examples:
+    >>> options = ks.experimental.CommunicationOptions(
+    ...     implementation=ks.experimental.CommunicationImplementation.RING)
+    >>> ks.experimental.CommunicationOptions is ks.CommunicationOptions
+    True
+    >>> ks.experimental.CollectiveCommunication is ks.CommunicationImplementation
+    True
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ from keras_strategies.input.options import ValueContext
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 
-CollectiveCommunication = CommunicationImplementation  # TF's older name for the same enum
+CollectiveCommunication = CommunicationImplementation
+"""TensorFlow's older name for `CommunicationImplementation`: the same enum."""
 
 __all__ = [
     "CollectiveCommunication",

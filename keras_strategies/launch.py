@@ -74,7 +74,14 @@ def _non_negative_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The launcher's options; the command after them is split off by `split_command`."""
+    """The launcher's options; the command after them is split off by `split_command`.
+
+    Examples:
+        >>> from keras_strategies.launch import build_parser
+        >>> options = build_parser().parse_args(["--workers", "3", "--backend", "jax"])
+        >>> options.workers, options.backend, options.chief
+        (3, 'jax', False)
+    """
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     if prog != "keras-strategies-launch":
         prog = "python -m keras_strategies.launch"
@@ -111,6 +118,13 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
     Done by hand rather than with argparse.REMAINDER so that the script's own
     arguments (even `--workers` or `--`) reach it unchanged.
+
+    Examples:
+        >>> from keras_strategies.launch import split_command
+        >>> split_command(["--workers", "2", "train.py", "--workers", "5"])
+        (['--workers', '2'], ['train.py', '--workers', '5'])
+        >>> split_command(["-n", "2", "-m", "my.module", "--epochs", "3"])
+        (['-n', '2'], ['-m', 'my.module', '--epochs', '3'])
     """
     argv = list(argv)
     i = 0
@@ -130,7 +144,19 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `keras-strategies-launch` command; returns the exit code (2 for bad arguments)."""
+    """The `keras-strategies-launch` command; returns the exit code (2 for bad arguments).
+
+    Args:
+        argv: The command line after the program name (default: `sys.argv[1:]`).
+
+    Examples:
+        ```python
+        import sys
+        from keras_strategies.launch import main
+
+        sys.exit(main(["--workers", "2", "--backend", "torch", "train.py", "--epochs", "3"]))
+        ```
+    """
     parser = build_parser()
     options, command = split_command(sys.argv[1:] if argv is None else argv)
     try:

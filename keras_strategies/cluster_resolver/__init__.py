@@ -1,6 +1,14 @@
-"""Cluster configuration for multi-worker strategies, mirroring `tf.distribute.cluster_resolver`.
+"""Cluster configuration for multi-worker strategies, as `tf.distribute.cluster_resolver`.
 
-Backend-neutral: nothing here imports TensorFlow.
+A cluster resolver tells `ks.MultiWorkerMirroredStrategy` the cluster's
+addresses and this process's role in it; by default `TFConfigClusterResolver`
+reads them from `TF_CONFIG`. Backend-neutral: nothing here imports TensorFlow.
+
+Examples:
+    >>> spec = ks.cluster_resolver.ClusterSpec({"worker": ["host0:2222", "host1:2222"]})
+    >>> resolver = ks.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=0)
+    >>> resolver.cluster_spec().num_tasks("worker")
+    2
 """
 
 from keras_strategies.cluster_resolver.cluster_spec import ClusterSpec

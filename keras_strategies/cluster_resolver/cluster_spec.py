@@ -1,6 +1,6 @@
 """`ClusterSpec`: the jobs of a cluster and the addresses of their tasks.
 
-A pure-Python port of `tf.train.ClusterSpec` (TF-src `training/server_lib.py`)
+A pure-Python port of `tf.train.ClusterSpec` (TensorFlow's `tensorflow/python/training/server_lib.py`)
 so that every backend describes a multi-worker cluster the same way, without
 importing TensorFlow. The `ClusterDef` protobuf is not used; a real
 `tf.train.ClusterSpec` or `ClusterDef` is still accepted by duck typing.
@@ -74,10 +74,18 @@ def _from_foreign(cluster: Any) -> dict[str, dict[int, str]] | None:
 
 
 class ClusterSpec:
-    """A cluster as a set of tasks organised into jobs, like `tf.train.ClusterSpec`.
+    """A cluster as a set of tasks organised into jobs, as `tf.train.ClusterSpec`.
 
-    `cluster` maps job names to a list of addresses (dense) or to
-    `{task_index: address}` (sparse), or is another `ClusterSpec`.
+    Also `ks.ClusterSpec`. Backend-neutral: it does not import TensorFlow.
+
+    Args:
+        cluster: A dict mapping job names to a list of addresses (dense) or
+            to `{task_index: address}` (sparse), or another `ClusterSpec`.
+
+    Examples:
+        >>> spec = ks.ClusterSpec({"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]})
+        >>> spec.jobs, spec.num_tasks("worker"), spec.task_address("worker", 1)
+        (['chief', 'worker'], 2, 'host2:2222')
     """
 
     def __init__(self, cluster: ClusterLike) -> None:
@@ -125,7 +133,12 @@ class ClusterSpec:
             raise ValueError(f"No such job in cluster: {job_name!r}") from None
 
     def as_dict(self) -> dict[str, list[str | None] | dict[int, str]]:
-        """`{job: [addresses]}` for dense jobs and `{job: {index: address}}` for sparse ones."""
+        """`{job: [addresses]}` for dense jobs and `{job: {index: address}}` for sparse ones.
+
+        Examples:
+            >>> ks.ClusterSpec({"worker": {0: "host0:2222", 2: "host2:2222"}}).as_dict()
+            {'worker': {0: 'host0:2222', 2: 'host2:2222'}}
+        """
         ret: dict[str, Any] = {}
         for job in self.jobs:
             indices = self.task_indices(job)

@@ -1,9 +1,9 @@
 """Cluster resolvers: where a process learns the cluster and its own role in it.
 
 Pure-Python ports of `tf.distribute.cluster_resolver.{ClusterResolver,
-TFConfigClusterResolver, SimpleClusterResolver}` (TF-src
-`distribute/cluster_resolver/`), so multi-worker strategies on every backend
-read `TF_CONFIG` exactly as TensorFlow does.
+TFConfigClusterResolver, SimpleClusterResolver}` (TensorFlow's
+`tensorflow/python/distribute/cluster_resolver/`), so multi-worker strategies
+on every backend read `TF_CONFIG` exactly as TensorFlow does.
 """
 
 from __future__ import annotations
@@ -47,8 +47,25 @@ def _tf_config_value(key: str, default: Any = None) -> Any:
 class ClusterResolver(abc.ABC):
     """Abstract source of a `ClusterSpec` and of this task's type, id and RPC layer.
 
-    Subclasses either override the properties or set `_task_type`, `_task_id`
-    and `_rpc_layer`, which the base getters and setters use (as in TF).
+    As `tf.distribute.cluster_resolver.ClusterResolver`. Subclass it to read
+    the cluster from elsewhere than `TF_CONFIG`: implement `cluster_spec` and
+    `master`, and either override the properties or set `_task_type`,
+    `_task_id` and `_rpc_layer`, which the base getters and setters use.
+
+    Examples:
+        >>> class TwoWorkers(ks.cluster_resolver.ClusterResolver):
+        ...     def __init__(self, index):
+        ...         self.task_type, self.task_id = "worker", index
+        ...     def cluster_spec(self):
+        ...         return ks.cluster_resolver.ClusterSpec({"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]})
+        ...     def master(self, task_type=None, task_id=None, rpc_layer=None):
+        ...         return ""
+        >>> resolver = TwoWorkers(1)
+        >>> resolver.task_type, resolver.task_id, resolver.cluster_spec().num_tasks("worker")
+        ('worker', 1, 2)
+
+        `ks.MultiWorkerMirroredStrategy(cluster_resolver=TwoWorkers(index))` then
+        joins that cluster as that worker.
     """
 
     @abc.abstractmethod
@@ -112,10 +129,24 @@ class ClusterResolver(abc.ABC):
 
 
 class TFConfigClusterResolver(ClusterResolver):
-    """Reads the cluster and this task's role from the `TF_CONFIG` env var.
+    """Reads the cluster and this task's role from the `TF_CONFIG` environment variable.
 
-    `TF_CONFIG` is re-read on every access, so a launcher may set it after the
-    resolver is built. Constructor arguments and setters override it.
+    As `tf.distribute.cluster_resolver.TFConfigClusterResolver`, and the
+    default resolver of `ks.MultiWorkerMirroredStrategy`. `TF_CONFIG` is
+    re-read on every access, so a launcher may set it after the resolver is
+    built. Constructor arguments and setters override it.
+
+    Examples:
+        >>> import json, os
+        >>> os.environ["TF_CONFIG"] = json.dumps({
+        ...     "cluster": {"worker": ["localhost:12345", "localhost:23456"]},
+        ...     "task": {"type": "worker", "index": 0}})
+        >>> resolver = ks.cluster_resolver.TFConfigClusterResolver()
+        >>> resolver.task_type, resolver.task_id
+        ('worker', 0)
+        >>> resolver.cluster_spec().as_dict()
+        {'worker': ['localhost:12345', 'localhost:23456']}
+        >>> del os.environ["TF_CONFIG"]
     """
 
     def __init__(
@@ -211,7 +242,20 @@ class TFConfigClusterResolver(ClusterResolver):
 
 
 class SimpleClusterResolver(ClusterResolver):
-    """Returns exactly what it was given; the resolver for in-process test clusters."""
+    """Returns exactly what it was given, as `tf.distribute.cluster_resolver.SimpleClusterResolver`.
+
+    For clusters known in the program itself, without `TF_CONFIG`.
+
+    Examples:
+        >>> spec = ks.cluster_resolver.ClusterSpec({"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]})
+        >>> resolver = ks.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=1)
+        >>> resolver.master("worker", 1, rpc_layer="grpc")
+        'grpc://10.0.0.2:2222'
+
+        ```python
+        strategy = ks.MultiWorkerMirroredStrategy(cluster_resolver=resolver)  # on 10.0.0.2
+        ```
+    """
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Roles in a multi-worker cluster: validation, chief, worker ids and leaders.
 
-A port of TF's `multi_worker_util` (TF-src `distribute/multi_worker_util.py`)
+A port of TensorFlow's `tensorflow/python/distribute/multi_worker_util.py`
 with the same rules and error texts, so multi-worker strategies on every
 backend accept and reject the same `TF_CONFIG` clusters as TensorFlow.
 """

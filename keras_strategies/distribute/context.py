@@ -90,8 +90,21 @@ def frames_installed(frames: list) -> Iterator[None]:
         _stack.frames = saved
 
 
-def get_strategy() -> "Strategy":
-    """The current strategy: the innermost scope's, else the default strategy."""
+def get_strategy() -> Strategy:
+    """The current strategy: the innermost scope's, else the default strategy.
+
+    As `tf.distribute.get_strategy`. The default strategy runs everything
+    as usual, on one replica, so library code can call `get_strategy()`
+    without checking `has_strategy()` first.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     print(ks.get_strategy() is strategy)
+        True
+        >>> ks.get_strategy().num_replicas_in_sync  # the default strategy
+        1
+    """
     top = _top()
     if top is not None:
         return top.strategy
@@ -99,21 +112,54 @@ def get_strategy() -> "Strategy":
 
 
 def has_strategy() -> bool:
-    """True when a strategy other than the default one is current."""
+    """True when a strategy other than the default one is current, as `tf.distribute.has_strategy`.
+
+    Examples:
+        >>> ks.has_strategy()
+        False
+        >>> with ks.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        ...     print(ks.has_strategy())
+        True
+    """
     top = _top()
     return top is not None and not is_default(top.strategy)
 
 
 def in_cross_replica_context() -> bool:
-    """True inside a non-default `strategy.scope()` but outside `strategy.run`."""
+    """True inside a non-default `strategy.scope()` but outside `strategy.run`.
+
+    As `tf.distribute.in_cross_replica_context`: there, code sees all
+    replicas at once (`strategy.reduce`); inside `run` it sees one.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     print(ks.in_cross_replica_context())
+        ...     print(strategy.run(ks.in_cross_replica_context))
+        True
+        False
+    """
     top = _top()
     return top is not None and top.replica_context is None
 
 
-def get_replica_context() -> Optional["ReplicaContext"]:
+def get_replica_context() -> Optional[ReplicaContext]:
     """The replica context, `None` in cross-replica context.
 
-    Outside every scope this is the default strategy's context (replica 0 of 1).
+    As `tf.distribute.get_replica_context`. Inside `strategy.run` it gives
+    the replica's id and its collectives; outside every scope it is the
+    default strategy's context (replica 0 of 1).
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.run(lambda: ks.get_replica_context().replica_id_in_sync_group)
+        PerReplica:{
+          0: 0,
+          1: 1
+        }
+        >>> with strategy.scope():
+        ...     print(ks.get_replica_context())
+        None
     """
     top = _top()
     if top is None:
@@ -129,8 +175,21 @@ def get_cross_replica_context() -> Optional["Strategy"]:
     return top.strategy if top.replica_context is None else None
 
 
-def experimental_set_strategy(strategy: Optional["Strategy"]) -> None:
-    """Makes `strategy` current without a `with` block; `None` clears it."""
+def experimental_set_strategy(strategy: Optional[Strategy]) -> None:
+    """Makes `strategy` current without a `with` block; `None` clears it.
+
+    As `tf.distribute.experimental_set_strategy`: the same as entering
+    `strategy.scope()` until the next call, for notebooks and scripts.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> ks.experimental_set_strategy(strategy)
+        >>> ks.get_strategy() is strategy
+        True
+        >>> ks.experimental_set_strategy(None)
+        >>> ks.has_strategy()
+        False
+    """
     if _stack.set_scope is not None:
         scope, _stack.set_scope = _stack.set_scope, None
         scope.__exit__(None, None, None)
@@ -143,8 +202,17 @@ def experimental_set_strategy(strategy: Optional["Strategy"]) -> None:
 class ReplicaContext:
     """What code inside `strategy.run` sees: its replica id and collectives.
 
-    Collectives are delegated to the strategy's extended object, which uses the
-    backend engine; with one replica they return the value unchanged.
+    As `tf.distribute.ReplicaContext`; get it with `ks.get_replica_context()`.
+    The collectives (`all_reduce`, `all_gather`) run among the replicas of
+    one `run` (and every worker); with one replica they return the value unchanged.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> def replica_fn():
+        ...     context = ks.get_replica_context()
+        ...     return context.all_reduce("sum", keras.ops.ones(()))
+        >>> [float(v) for v in strategy.experimental_local_results(strategy.run(replica_fn))]
+        [2.0, 2.0]
     """
 
     def __init__(
@@ -177,12 +245,22 @@ class ReplicaContext:
         self._scalar_loss = False
 
     @property
-    def strategy(self) -> "Strategy":
+    def strategy(self) -> Strategy:
+        """The strategy this replica belongs to."""
         return self._strategy
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        """The replica's id among all replicas of all workers (this worker's come consecutively)."""
+        """The replica's id among all replicas of all workers (this worker's come consecutively).
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> strategy.run(lambda: ks.get_replica_context().replica_id_in_sync_group)
+            PerReplica:{
+              0: 0,
+              1: 1
+            }
+        """
         extended = self._strategy.extended
         if extended._num_workers == 1:
             return self._replica_id
@@ -190,15 +268,34 @@ class ReplicaContext:
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """The number of replicas of all workers, as `Strategy.num_replicas_in_sync`."""
         return self._strategy.num_replicas_in_sync
 
     @property
     def devices(self) -> tuple:
+        """The device of this replica, as a one-element tuple."""
         local = self._strategy.extended.worker_devices
         return (local[self._replica_id % len(local)],)
 
-    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
-        """Reduces a nested structure across replicas; every replica gets the result."""
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
+        """Reduces a nested structure across replicas; every replica gets the result.
+
+        Differentiable on every backend: a loss built from it trains like one device.
+
+        Args:
+            reduce_op: `ks.ReduceOp.SUM` or `MEAN`, or `"sum"` / `"mean"`.
+            value: A tensor or a nested structure of tensors.
+            options: Accepted for compatibility; unused.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> def replica_fn():
+            ...     context = ks.get_replica_context()
+            ...     value = keras.ops.convert_to_tensor(float(context.replica_id_in_sync_group + 1))
+            ...     return context.all_reduce("sum", {"total": value})
+            >>> [float(v["total"]) for v in strategy.experimental_local_results(strategy.run(replica_fn))]
+            [3.0, 3.0]
+        """
         op = ReduceOp.parse(reduce_op)
         return self._differentiable(lambda v: self._strategy.extended._all_reduce(self, op, v), value)
 
@@ -223,11 +320,36 @@ class ReplicaContext:
         return tree.map_structure(lambda t: scaled(t, weight), reduce(sent))
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
-        """Concatenates a nested structure across replicas along `axis` (sizes may differ)."""
+        """Concatenates a nested structure across replicas along `axis` (sizes may differ).
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> def replica_fn():
+            ...     context = ks.get_replica_context()
+            ...     rows = keras.ops.ones((context.replica_id_in_sync_group + 1, 2))  # 1 and 2 rows
+            ...     return context.all_gather(rows, axis=0)
+            >>> [tuple(v.shape) for v in strategy.experimental_local_results(strategy.run(replica_fn))]
+            [(3, 2), (3, 2)]
+        """
         return self._strategy.extended._all_gather(self, value, axis)
 
     def merge_call(self, merge_fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        """Calls `merge_fn(strategy, *args)` once in cross-replica context."""
+        """Calls `merge_fn(strategy, *args, **kwargs)` once in cross-replica context.
+
+        Every replica passes its own `args`; `merge_fn` gets them as
+        `PerReplica` values and its result goes back to every replica. This is
+        how an optimizer applies one update for all replicas.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> def replica_fn():
+            ...     context = ks.get_replica_context()
+            ...     return context.merge_call(
+            ...         lambda strategy, ids: strategy.experimental_local_results(ids),
+            ...         args=(context.replica_id_in_sync_group,))
+            >>> strategy.run(replica_fn)
+            (0, 1)
+        """
         return self._strategy.extended._merge_call(self, merge_fn, args, kwargs or {})
 
     def __repr__(self) -> str:

@@ -37,28 +37,63 @@ def _add_n(values: Sequence[Any]) -> Any:
 
 
 class CrossDeviceOps:
-    """Base class: reduce and broadcast per-replica values between devices."""
+    """Base class: reduce and broadcast per-replica values between devices.
 
-    def reduce(self, reduce_op: "ReduceOp | str", per_replica_value: Any, destinations: Any, options: Any = None) -> Any:
-        """Reduces one per-replica value to `destinations`."""
+    As `tf.distribute.CrossDeviceOps`. Pass one to `ks.MirroredStrategy(cross_device_ops=...)`
+    to choose how gradients are summed between the devices of one machine;
+    subclasses override the `*_implementation` methods.
+
+    Examples:
+        >>> cross_device_ops = ks.ReductionToOneDevice()
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=cross_device_ops)
+        >>> per_replica = strategy.run(lambda: keras.ops.ones((2,)))
+        >>> total = cross_device_ops.reduce("sum", per_replica, destinations="cpu:0")
+        >>> keras.ops.convert_to_numpy(total).tolist()
+        [2.0, 2.0]
+    """
+
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any, options: Any = None) -> Any:
+        """Reduces one per-replica value to `destinations` (a device name, or a value on that device).
+
+        Examples:
+            >>> per_replica = ks.PerReplica([keras.ops.ones(()), keras.ops.ones(())])
+            >>> float(ks.ReductionToOneDevice().reduce("mean", per_replica, destinations="cpu:0"))
+            1.0
+        """
         return self.reduce_implementation(ReduceOp.parse(reduce_op), per_replica_value, destinations, options)
 
-    def batch_reduce(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple], options: Any = None) -> list:
-        """Reduces several (value, destinations) pairs; the unit of gradient all-reduce."""
+    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple], options: Any = None) -> list:
+        """Reduces several `(value, destinations)` pairs; the unit of gradient all-reduce.
+
+        Examples:
+            >>> a = ks.PerReplica([keras.ops.ones(()), keras.ops.ones(())])
+            >>> b = ks.PerReplica([keras.ops.zeros(()), keras.ops.ones(())])
+            >>> [float(v) for v in ks.ReductionToOneDevice().batch_reduce("sum", [(a, "cpu:0"), (b, "cpu:0")])]
+            [2.0, 1.0]
+        """
         return self.batch_reduce_implementation(ReduceOp.parse(reduce_op), list(value_destination_pairs), options)
 
     def broadcast(self, tensor: Any, destinations: Sequence[str]) -> Mirrored:
-        """One copy of `tensor` on each destination device."""
+        """One copy of `tensor` on each destination device, as a `ks.Mirrored`.
+
+        Examples:
+            >>> mirrored = ks.ReductionToOneDevice().broadcast(keras.ops.ones(()), ["cpu:0", "cpu:1"])
+            >>> len(mirrored.values)
+            2
+        """
         return self.broadcast_implementation(tensor, destinations)
 
     # Overridable hooks ---------------------------------------------------------
     def reduce_implementation(self, reduce_op: ReduceOp, per_replica_value: Any, destinations: Any, options: Any) -> Any:
+        """What `reduce` does, with `reduce_op` already a `ReduceOp`; subclasses must implement it."""
         raise NotImplementedError(f"{type(self).__name__} must implement reduce_implementation.")
 
     def batch_reduce_implementation(self, reduce_op: ReduceOp, value_destination_pairs: list, options: Any) -> list:
+        """What `batch_reduce` does; by default `reduce_implementation` for each pair."""
         return [self.reduce_implementation(reduce_op, v, d, options) for v, d in value_destination_pairs]
 
     def broadcast_implementation(self, tensor: Any, destinations: Sequence[str]) -> Mirrored:
+        """What `broadcast` does; by default a copy to each device."""
         devices = destinations if isinstance(destinations, (list, tuple)) else [destinations]
         return Mirrored([engine.devices.copy_to(ops.convert_to_tensor(tensor), canonical_device(d)) for d in devices])
 
@@ -70,7 +105,18 @@ def _finish(reduce_op: ReduceOp, total: Any, count: int) -> Any:
 
 
 class ReductionToOneDevice(CrossDeviceOps):
-    """Copies every component to one device and accumulates there (TF's CPU default)."""
+    """Copies every component to one device and accumulates there, as `tf.distribute.ReductionToOneDevice`.
+
+    The default of `MirroredStrategy` unless its devices are several GPUs.
+
+    Args:
+        reduce_to_device: Where to accumulate (default: the destination).
+        accumulation_fn: Sums a list of tensors on one device (default: pairwise adds).
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(
+        ...     ["cpu:0", "cpu:1"], cross_device_ops=ks.ReductionToOneDevice(reduce_to_device="cpu:0"))
+    """
 
     def __init__(self, reduce_to_device: Optional[str] = None, accumulation_fn: Optional[Callable] = None):
         self.reduce_to_device = None if reduce_to_device is None else canonical_device(reduce_to_device)
@@ -152,7 +198,19 @@ def _pack_bounds(count: int, num_packs: int) -> list[tuple[int, int]]:
 
 
 class HierarchicalCopyAllReduce(_PackedAllReduce):
-    """Reduces pairwise in a tree of devices, then copies the sum to the destination."""
+    """Reduces pairwise in a tree of devices, then copies the sum to the destination.
+
+    As `tf.distribute.HierarchicalCopyAllReduce`. `num_packs` packs a batch
+    of values (the gradients of a step) into that many flat buffers first,
+    for fewer and larger transfers (0: no packing).
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(
+        ...     ["cpu:0", "cpu:1"], cross_device_ops=ks.HierarchicalCopyAllReduce(num_packs=1))
+        >>> per_replica = strategy.run(lambda: keras.ops.ones(()))
+        >>> float(ks.HierarchicalCopyAllReduce().reduce("sum", per_replica, destinations="cpu:0"))
+        2.0
+    """
 
     def _reduce_components(self, components, device):
         level = list(components)
@@ -169,7 +227,15 @@ class HierarchicalCopyAllReduce(_PackedAllReduce):
 
 
 class NcclAllReduce(_PackedAllReduce):
-    """NVIDIA NCCL all-reduce between GPUs; refused for devices that are not all GPUs."""
+    """NVIDIA NCCL all-reduce between GPUs; refused for devices that are not all GPUs.
+
+    As `tf.distribute.NcclAllReduce`; `num_packs` as in `HierarchicalCopyAllReduce`.
+
+    Examples:
+        ```python
+        strategy = ks.MirroredStrategy(["gpu:0", "gpu:1"], cross_device_ops=ks.NcclAllReduce())
+        ```
+    """
 
     def _reduce_components(self, components, device):
         devices = {engine.devices.device_of(c) for c in components} | {device}

@@ -36,7 +36,14 @@ def canonical_device(name: str) -> str:
 
 
 def list_devices() -> list[str]:
-    """This process's devices, accelerators first (e.g. `["gpu:0", "gpu:1", "cpu:0"]`)."""
+    """This process's devices, accelerators first (e.g. `["gpu:0", "gpu:1", "cpu:0"]`).
+
+    The same names on every backend; `ks.MirroredStrategy(devices=...)` takes them.
+
+    Examples:
+        >>> ks.list_devices()  # KERAS_STRATEGIES_CPU_DEVICES=4, no GPU
+        ['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']
+    """
     return engine.devices.list_devices()
 
 
@@ -72,7 +79,18 @@ def resolve_devices(devices: Iterable[str]) -> list[str]:
 def set_virtual_cpu_devices(count: int) -> None:
     """Gives the backend `count` CPU devices; call before the backend initialises its devices.
 
-    Raises `RuntimeError` when the backend already initialised a different number.
+    So multi-replica strategies run on a machine without accelerators (tests,
+    laptops). The environment variable `KERAS_STRATEGIES_CPU_DEVICES=count`,
+    read when `keras_strategies` is imported, does the same.
+
+    Raises:
+        ValueError: `count` is not an int >= 1.
+        RuntimeError: The backend already initialised a different number of devices.
+
+    Examples:
+        >>> ks.set_virtual_cpu_devices(4)  # first thing in the program
+        >>> ks.MirroredStrategy().num_replicas_in_sync
+        4
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"The number of virtual CPU devices must be an int >= 1, got {count!r}.")

@@ -78,15 +78,33 @@ def compute_average_loss(
 ):
     """`sum(per_example_loss * sample_weight) / global_batch_size`, 0 when the divisor is 0.
 
+    As `tf.nn.compute_average_loss`: each replica divides its loss by the
+    global batch size, so that summing the replicas' gradients gives the
+    gradient of the mean loss over the global batch.
+
     Without `global_batch_size` the divisor is the local batch size times
     `num_replicas_in_sync`, as in TensorFlow; that is exact only when every
     replica has the same number of examples, so pass `global_batch_size` when
     batches can be uneven. All elements are summed, including non-batch axes.
 
+    Args:
+        per_example_loss: Losses of this replica's examples (rank >= 1).
+        sample_weight: Optional weights, one per example or a scalar.
+        global_batch_size: The number of examples of the step over all replicas.
+
     Raises:
         ValueError: `per_example_loss` is a scalar, or `global_batch_size` is negative.
         TypeError: `global_batch_size` is not an integer.
         RuntimeError: no `global_batch_size` and called in cross-replica context.
+
+    Examples:
+        >>> per_example_loss = keras.ops.convert_to_tensor([1.0, 2.0, 3.0, 4.0])
+        >>> float(ks.compute_average_loss(per_example_loss, global_batch_size=8))
+        1.25
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> per_replica = strategy.run(lambda: ks.compute_average_loss(keras.ops.ones((4,))))  # / (4 x 2)
+        >>> float(strategy.reduce("sum", per_replica, axis=None))
+        1.0
     """
     losses = ops.convert_to_tensor(per_example_loss)
     input_dtype = losses.dtype if "float" in str(losses.dtype) else "float32"
@@ -113,7 +131,15 @@ def compute_average_loss(
 def scale_regularization_loss(regularization_loss: Any):
     """`sum(regularization_loss) / num_replicas_in_sync`; call it in replica context.
 
-    Summing gradients over replicas then applies the regulariser exactly once.
+    As `tf.nn.scale_regularization_loss`: summing gradients over replicas then
+    applies the regulariser exactly once. Takes a tensor or a list of them
+    (such as `model.losses`).
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> per_replica = strategy.run(lambda: ks.scale_regularization_loss([1.0, 3.0]))
+        >>> [float(v) for v in strategy.experimental_local_results(per_replica)]
+        [2.0, 2.0]
     """
     _check_replica_context("scale_regularization_loss")
     num_replicas = context.get_strategy().num_replicas_in_sync

@@ -6,14 +6,28 @@ import enum
 
 
 class ReduceOp(enum.Enum):
-    """Reduction used by `reduce`, `all_reduce` and variable aggregation."""
+    """How `reduce`, `all_reduce` and variable aggregation combine replicas, as `tf.distribute.ReduceOp`.
+
+    Wherever a `ReduceOp` is taken, its name is accepted too (`"sum"`, `"MEAN"`).
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> values = ks.PerReplica([1.0, 3.0])
+        >>> float(strategy.reduce(ks.ReduceOp.SUM, values, axis=None)), float(strategy.reduce("mean", values, axis=None))
+        (4.0, 2.0)
+    """
 
     SUM = "SUM"
     MEAN = "MEAN"
 
     @staticmethod
-    def from_variable_aggregation(aggregation: str) -> "ReduceOp":
-        """Maps a Keras variable aggregation ("sum"/"mean") to a `ReduceOp`."""
+    def from_variable_aggregation(aggregation: str) -> ReduceOp:
+        """Maps a Keras variable aggregation ("sum"/"mean") to a `ReduceOp`.
+
+        Examples:
+            >>> ks.ReduceOp.from_variable_aggregation("sum")
+            <ReduceOp.SUM: 'SUM'>
+        """
         name = str(getattr(aggregation, "name", aggregation)).lower()
         if name == "sum":
             return ReduceOp.SUM
@@ -25,8 +39,13 @@ class ReduceOp(enum.Enum):
         )
 
     @staticmethod
-    def parse(value: "ReduceOp | str") -> "ReduceOp":
-        """Accepts a `ReduceOp` or its name in any case (`"sum"`, `"MEAN"`)."""
+    def parse(value: ReduceOp | str) -> ReduceOp:
+        """Accepts a `ReduceOp` or its name in any case (`"sum"`, `"MEAN"`).
+
+        Examples:
+            >>> ks.ReduceOp.parse("mean")
+            <ReduceOp.MEAN: 'MEAN'>
+        """
         if isinstance(value, ReduceOp):
             return value
         if isinstance(value, str) and value.upper() in ReduceOp.__members__:

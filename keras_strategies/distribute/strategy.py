@@ -42,7 +42,21 @@ def sync_new_variables_from_chief() -> None:
 
 
 class StrategyExtended:
-    """Strategy internals (`strategy.extended`): devices, per-replica calls, reductions."""
+    """A strategy's internals, `strategy.extended`, as `tf.distribute.StrategyExtended`.
+
+    Devices of the replicas and the cross-replica operations that custom
+    optimizers and training loops use (`reduce_to`, `broadcast_to`, `update`).
+    Get it from a strategy; do not construct it.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.extended.worker_devices
+        ('cpu:0', 'cpu:1')
+        >>> per_replica = strategy.run(lambda: keras.ops.ones((2,)))
+        >>> total = strategy.extended.reduce_to("sum", per_replica, destinations="cpu:0")
+        >>> keras.ops.convert_to_numpy(total).tolist()
+        [2.0, 2.0]
+    """
 
     def __init__(self, container_strategy: "Strategy", devices: Sequence[str], place_variables: bool = False):
         self._container = container_strategy
@@ -56,37 +70,55 @@ class StrategyExtended:
     # --- devices -------------------------------------------------------------
     @property
     def worker_devices(self) -> tuple:
-        """The compute devices of this worker's replicas, in replica order."""
+        """The compute devices of this worker's replicas, in replica order.
+
+        Examples:
+            >>> ks.MirroredStrategy(["cpu:0", "cpu:1"]).extended.worker_devices
+            ('cpu:0', 'cpu:1')
+        """
         return self._devices
 
     @property
     def parameter_devices(self) -> tuple:
-        """The devices holding variables."""
+        """The devices holding variables (the replica devices: each reads its own copy)."""
         return self._devices
 
     @property
     def host_device(self) -> str:
-        """Where cross-replica results (`reduce`, `gather`) are placed."""
+        """Where cross-replica results (`reduce`, `gather`) are placed: the first replica device."""
         return self._devices[0] if self._place_variables else "cpu:0"
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """The number of replicas of all workers, as `Strategy.num_replicas_in_sync`."""
         return len(self._devices)
 
     @property
     def experimental_require_static_shapes(self) -> bool:
+        """False: batches of any size may be distributed (TPU strategies need static shapes)."""
         return False
 
     @property
     def should_checkpoint(self) -> bool:
+        """Whether this worker should save checkpoints (with several workers: the chief only)."""
         return True
 
     @property
     def should_save_summary(self) -> bool:
+        """Whether this worker should write summaries (with several workers: the chief only)."""
         return True
 
     def variable_created_in_scope(self, variable: Any) -> bool:
-        """True only for variables created inside this strategy's scope."""
+        """True only for variables created inside this strategy's scope.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     inside = keras.Variable(1.0)
+            >>> outside = keras.Variable(1.0)
+            >>> strategy.extended.variable_created_in_scope(inside), strategy.extended.variable_created_in_scope(outside)
+            (True, False)
+        """
         return getattr(variable, "_ks_strategy", None) is self._container
 
     # --- tf.distribute's cross-replica helpers (custom optimizers and loops use them) --------------
@@ -113,40 +145,109 @@ class StrategyExtended:
                 "`ks.get_replica_context().all_reduce` (or `merge_call`)."
             )
 
-    def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any, options: Any = None) -> Any:
-        """`value` reduced across replicas (and workers), mirrored on `destinations`."""
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any, options: Any = None) -> Any:
+        """`value` reduced across replicas (and workers), mirrored on `destinations`.
+
+        Call it in cross-replica context (for example in a `merge_call` function);
+        inside `strategy.run` use `ReplicaContext.all_reduce`.
+
+        Args:
+            reduce_op: `ks.ReduceOp.SUM` or `MEAN`, or `"sum"` / `"mean"`.
+            value: A `PerReplica` value, or a tensor that is the same on every replica.
+            destinations: A device name, a list of them, or a variable (a variable of
+                this scope means every replica device).
+            options: Accepted for compatibility; unused.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> per_replica = strategy.run(lambda: keras.ops.ones((2,)))
+            >>> total = strategy.extended.reduce_to("sum", per_replica, destinations="cpu:0")
+            >>> keras.ops.convert_to_numpy(total).tolist()
+            [2.0, 2.0]
+        """
         self._check_cross_replica("reduce_to")
         return self._mirrored_to(self._reduce(ReduceOp.parse(reduce_op), value, None), destinations)
 
-    def batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple],
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple],
                         options: Any = None) -> list:
-        """`reduce_to` for each `(value, destinations)` pair."""
+        """`reduce_to` for each `(value, destinations)` pair; returns the results in order.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> a, b = strategy.run(lambda: (keras.ops.ones(()), keras.ops.zeros(())))
+            >>> [float(v) for v in strategy.extended.batch_reduce_to("sum", [(a, "cpu:0"), (b, "cpu:0")])]
+            [2.0, 0.0]
+        """
         return [self.reduce_to(reduce_op, value, destinations, options) for value, destinations in value_destination_pairs]
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
-        """`tensor` mirrored on `destinations`."""
+        """`tensor` copied to each device of `destinations` (a `Mirrored` for several).
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> mirrored = strategy.extended.broadcast_to(keras.ops.ones(()), destinations=["cpu:0", "cpu:1"])
+            >>> len(mirrored.values)
+            2
+        """
         return self._mirrored_to(tensor, destinations)
 
     def update(self, var: Any, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, group: bool = True) -> Any:
-        """Runs `fn(var, *args, **kwargs)` once: a strategy's variable is one Keras variable,
-        copied to the replicas at each step. Mirrored arguments give their first copy."""
+        """Runs `fn(var, *args, **kwargs)` once, in cross-replica context.
+
+        A strategy's variable is one Keras variable, copied to the replicas at
+        each step, so one update is enough; `Mirrored` arguments give their first copy.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     v = keras.Variable(1.0)
+            >>> _ = strategy.extended.update(v, lambda var, delta: var.assign_add(delta), args=(2.0,))
+            >>> float(v.numpy())
+            3.0
+        """
         self._check_cross_replica("update")
         first = lambda value: value.values[0] if isinstance(value, Mirrored) else value  # noqa: E731
         args, kwargs = map_structure(first, tuple(args)), map_structure(first, dict(kwargs or {}))
         return fn(var, *args, **kwargs)
 
     def value_container(self, value: Any) -> Any:
-        """The distributed variable of `value`: a strategy's variables are their own container."""
+        """The distributed variable of `value`: a strategy's variables are their own container.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     v = keras.Variable(1.0)
+            >>> strategy.extended.value_container(v) is v
+            True
+        """
         return value
 
     def read_var(self, var: Any) -> Any:
-        """The variable's value in cross-replica context."""
+        """The variable's value in cross-replica context.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     v = keras.Variable(2.0)
+            >>> float(keras.ops.convert_to_numpy(strategy.extended.read_var(v)))
+            2.0
+        """
         return var.value
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Variables created inside sit with `colocate_with_variable`: every variable of a
-        strategy already lives on its parameter devices, so nothing to change."""
+        """A scope whose new variables sit with `colocate_with_variable`.
+
+        Every variable of a strategy already lives on its parameter devices, so
+        this only checks that it is used inside the strategy's `scope()`.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     v = keras.Variable(1.0)
+            ...     with strategy.extended.colocate_vars_with(v):
+            ...         slot = keras.Variable(0.0)
+        """
         if context.get_cross_replica_context() is not self._container:
             raise RuntimeError("`colocate_vars_with` must be used inside the strategy's `scope()`.")
         yield
@@ -337,7 +438,22 @@ class StrategyExtended:
 
 
 class Strategy:
-    """Base class of every strategy (same API as `tf.distribute.Strategy`)."""
+    """Base class of every strategy, with the API of `tf.distribute.Strategy`.
+
+    A strategy owns the replica devices. Build models and optimizers in
+    `scope()` and train with Keras' `fit`, or write a custom loop with
+    `run`, `reduce` and a distributed dataset. Use a subclass:
+    `OneDeviceStrategy`, `MirroredStrategy` or `MultiWorkerMirroredStrategy`.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> isinstance(strategy, ks.Strategy)
+        True
+        >>> def replica_fn():
+        ...     return float(ks.get_replica_context().replica_id_in_sync_group + 1)
+        >>> float(strategy.reduce("sum", strategy.run(replica_fn), axis=None))
+        3.0
+    """
 
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
@@ -345,24 +461,55 @@ class Strategy:
 
     @property
     def extended(self) -> StrategyExtended:
+        """The `StrategyExtended` of this strategy: devices and cross-replica operations.
+
+        Examples:
+            >>> ks.MirroredStrategy(["cpu:0", "cpu:1"]).extended.worker_devices
+            ('cpu:0', 'cpu:1')
+        """
         return self._extended
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """How many replicas' gradients are combined in each step (all workers)."""
+        """How many replicas' gradients are combined in each step (all workers).
+
+        Scale the global batch size with it.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> strategy.num_replicas_in_sync
+            2
+            >>> global_batch_size = 32 * strategy.num_replicas_in_sync
+        """
         return self._extended.num_replicas_in_sync
 
     @property
     def cluster_resolver(self) -> Any:
-        """The cluster resolver of multi-worker strategies, else `None`."""
+        """The cluster resolver of multi-worker strategies, else `None`.
+
+        Examples:
+            >>> print(ks.MirroredStrategy(["cpu:0"]).cluster_resolver)
+            None
+        """
         return None
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator["Strategy"]:
+    def scope(self) -> Iterator[Strategy]:
         """Makes this strategy current; what is built inside belongs to it.
 
-        Nesting the same strategy's scope is fine; entering another strategy's
-        scope while this one is active raises `RuntimeError`.
+        Create models, optimizers and metrics inside the scope: their variables
+        are then mirrored on the replicas, and `fit` / `evaluate` / `predict`
+        run on every replica. Nesting the same strategy's scope is fine;
+        entering another strategy's scope inside it raises `RuntimeError`.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            ...     model.compile(optimizer="sgd", loss="mse")
+            ...     print(ks.get_strategy() is strategy)
+            True
+            >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
         """
         current = context.get_strategy() if context.current_frames() else None
         if current is self:
@@ -383,8 +530,26 @@ class Strategy:
     def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, options: Any = None) -> Any:
         """Calls `fn` once per replica in replica context and regroups the results.
 
-        `PerReplica` arguments are unpacked per replica; other arguments are
-        passed unchanged to every replica.
+        `PerReplica` arguments (such as the elements of a distributed dataset)
+        are unpacked per replica; other arguments are passed unchanged to every
+        replica. The result has the structure of `fn`'s, each leaf a `PerReplica`
+        (or the value itself when every replica returns the same object or number).
+
+        Args:
+            fn: The replica function.
+            args: Positional arguments of `fn` (a tuple: `args=(batch,)`).
+            kwargs: Keyword arguments of `fn`.
+            options: A `ks.RunOptions`; accepted for compatibility, unused.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> def replica_fn(scale):
+            ...     return scale * ks.get_replica_context().replica_id_in_sync_group
+            >>> strategy.run(replica_fn, args=(10,))
+            PerReplica:{
+              0: 0,
+              1: 10
+            }
         """
         if not isinstance(args, (tuple, list)):
             raise TypeError(
@@ -395,24 +560,52 @@ class Strategy:
             raise TypeError(f"`kwargs` of `strategy.run` must be a dict, got {type(kwargs).__name__}.")
         return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
-    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: Optional[int]) -> Any:
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Optional[int]) -> Any:
         """Combines per-replica values across replicas (and along `axis`, if given) on the host.
 
         With `axis`, `MEAN` divides by the total number of elements along that
         axis over all replicas, so uneven shards are weighted correctly.
+
+        Args:
+            reduce_op: `ks.ReduceOp.SUM` or `MEAN`, or `"sum"` / `"mean"`.
+            value: A (nested structure of) `PerReplica` values, as `run` returns.
+            axis: `None` to reduce element-wise over replicas; an axis to also
+                reduce along it (over every replica's rows).
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> per_replica = strategy.run(lambda: keras.ops.ones((3,)))
+            >>> keras.ops.convert_to_numpy(strategy.reduce("sum", per_replica, axis=None)).tolist()
+            [2.0, 2.0, 2.0]
+            >>> float(strategy.reduce(ks.ReduceOp.MEAN, per_replica, axis=0))
+            1.0
         """
         op = ReduceOp.parse(reduce_op)
         return map_structure(lambda v: self._extended._reduce(op, v, axis), value)
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenates per-replica values along `axis` on the host (shards may differ in size)."""
+        """Concatenates per-replica values along `axis` on the host (shards may differ in size).
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> per_replica = strategy.run(lambda: keras.ops.ones((2, 3)))
+            >>> tuple(strategy.gather(per_replica, axis=0).shape)
+            (4, 3)
+        """
         if context.get_replica_context() is not None and not is_default(self) and context.has_strategy():
             raise RuntimeError("`strategy.gather` is for cross-replica context; inside `run` use "
                                "`ks.get_replica_context().all_gather`.")
         return map_structure(lambda v: self._extended._gather(v, axis), value)
 
     def experimental_local_results(self, value: Any) -> tuple:
-        """This worker's per-replica components of `value` (a plain value gives `(value,)`)."""
+        """This worker's per-replica components of `value` (a plain value gives `(value,)`).
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> per_replica = strategy.run(lambda: ks.get_replica_context().replica_id_in_sync_group)
+            >>> strategy.experimental_local_results(per_replica)
+            (0, 1)
+        """
         if isinstance(value, DistributedValues):
             return value.values
         leaves_are_distributed = []
@@ -422,13 +615,59 @@ class Strategy:
         return (value,)
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
-        """Splits each global batch of `dataset` across the replicas (see `input/distributed_dataset.py`)."""
+        """Splits each global batch of `dataset` across the replicas.
+
+        `dataset` yields batches of the *global* batch size: a `tf.data.Dataset`
+        (on every backend), `make_experimental_numpy_dataset(...)`, a
+        `keras.utils.PyDataset` or any iterable of batches. Shard sizes differ
+        by at most one and no sample is dropped. With several workers, every
+        worker reads the same batches and takes its replicas' shards.
+
+        Args:
+            dataset: The source of global batches.
+            options: A `ks.InputOptions`.
+
+        Returns:
+            A `ks.DistributedDataset`; each element is one step, each leaf a `PerReplica`.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> x = np.arange(8, dtype="float32").reshape(8, 1)
+            >>> dataset = strategy.make_experimental_numpy_dataset(x).batch(4)  # global batches
+            >>> for batch in strategy.experimental_distribute_dataset(dataset):
+            ...     print([tuple(shard.shape) for shard in strategy.experimental_local_results(batch)])
+            [(2, 1), (2, 1)]
+            [(2, 1), (2, 1)]
+        """
         from keras_strategies.input.distributed_dataset import GlobalBatchDataset
 
         return GlobalBatchDataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
-        """Calls `dataset_fn(InputContext)`; its per-replica batches go to the replicas in turn."""
+        """Calls `dataset_fn(InputContext)`; its per-replica batches go to the replicas in turn.
+
+        `dataset_fn` is called once per worker and returns a dataset batched
+        *per replica* (see `InputContext.get_per_replica_batch_size`); with
+        several workers, shard it with `input_context.input_pipeline_id`.
+
+        Args:
+            dataset_fn: A function of a `ks.InputContext` returning a dataset.
+            options: A `ks.InputOptions`.
+
+        Returns:
+            A `ks.DistributedDataset`.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> def dataset_fn(input_context):
+            ...     batch_size = input_context.get_per_replica_batch_size(4)  # 2
+            ...     x = np.arange(8, dtype="float32").reshape(8, 1)
+            ...     x = x[input_context.input_pipeline_id::input_context.num_input_pipelines]
+            ...     return strategy.make_experimental_numpy_dataset(x).batch(batch_size)
+            >>> dist_dataset = strategy.distribute_datasets_from_function(dataset_fn)
+            >>> [len(strategy.experimental_local_results(batch)) for batch in dist_dataset]
+            [2, 2]
+        """
         from keras_strategies.input.distributed_dataset import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(self, dataset_fn, options)
@@ -436,13 +675,32 @@ class Strategy:
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
     def make_experimental_numpy_dataset(self, numpy_input: Any) -> Any:
-        """A dataset of the rows of `numpy_input` (arrays or a structure of them), sliced lazily."""
+        """A dataset of the rows of `numpy_input` (arrays or a structure of them), sliced lazily.
+
+        It has `batch`, `shuffle` and `repeat`, as a `tf.data.Dataset` made with
+        `from_tensor_slices`, on every backend.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> x, y = np.ones((10, 3), "float32"), np.zeros((10,), "int32")
+            >>> dataset = strategy.make_experimental_numpy_dataset((x, y)).shuffle(10).batch(4)
+            >>> len(dataset)
+            3
+        """
         from keras_strategies.input.numpy_dataset import NumpyDataset
 
         return NumpyDataset(numpy_input)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
-        """Calls `value_fn(ValueContext)` once per replica and returns the values as `PerReplica`."""
+        """Calls `value_fn(ValueContext)` once per replica and returns the values as `PerReplica`.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> values = strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: ctx.replica_id_in_sync_group * 10)
+            >>> strategy.experimental_local_results(values)
+            (0, 10)
+        """
         values = []
         devices = self._extended.worker_devices
         first = self._extended._worker_index * len(devices)  # this worker's replicas are consecutive
@@ -452,7 +710,13 @@ class Strategy:
         return values[0] if len(values) == 1 else PerReplica(values)
 
     def group(self, value: Any, name: Optional[str] = None) -> Any:
-        """The local results of `value` (TF groups them into one op; eager code needs nothing)."""
+        """The local results of `value` (TensorFlow groups them into one op; eager code needs nothing).
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> strategy.group(strategy.run(lambda: ks.get_replica_context().replica_id_in_sync_group))
+            (0, 1)
+        """
         return self.experimental_local_results(value)
 
     def __repr__(self) -> str:

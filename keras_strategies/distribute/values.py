@@ -13,14 +13,30 @@ import numpy as np
 
 
 class DistributedValues:
-    """Base class for a value that has one component per local replica."""
+    """Base class for a value that has one component per local replica.
+
+    As `tf.distribute.DistributedValues`: `strategy.run` returns them and
+    takes them as arguments, and each replica sees its own component.
+    `strategy.experimental_local_results` (or `.values`) gives the components.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> value = strategy.run(lambda: ks.get_replica_context().replica_id_in_sync_group)
+        >>> isinstance(value, ks.DistributedValues), value.values
+        (True, (0, 1))
+    """
 
     def __init__(self, values: Sequence[Any]):
         self._values = tuple(values)
 
     @property
     def values(self) -> tuple:
-        """The per-replica components, in replica order (this worker only)."""
+        """The per-replica components, in replica order (this worker only).
+
+        Examples:
+            >>> ks.PerReplica([1.0, 2.0]).values
+            (1.0, 2.0)
+        """
         return self._values
 
     def _get_on_replica(self, replica_id: int) -> Any:
@@ -44,11 +60,34 @@ class DistributedValues:
 
 
 class PerReplica(DistributedValues):
-    """Values that are not synchronized across replicas."""
+    """Values that may differ between replicas: what `run` returns, elements of distributed datasets.
+
+    As TensorFlow's `PerReplica`. Passed to `strategy.run`, each replica gets
+    its own component; build one by hand for tests or with
+    `strategy.experimental_distribute_values_from_function`.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> per_replica = ks.PerReplica([1.0, 2.0])
+        >>> strategy.run(lambda x: x * 10, args=(per_replica,))
+        PerReplica:{
+          0: 10.0,
+          1: 20.0
+        }
+    """
 
 
 class Mirrored(DistributedValues):
-    """Values kept identical on every replica."""
+    """Values kept identical on every replica, one copy per device, as TensorFlow's `Mirrored`.
+
+    `strategy.extended.broadcast_to` and `CrossDeviceOps.broadcast` return them.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> mirrored = strategy.extended.broadcast_to(keras.ops.ones(()), destinations=["cpu:0", "cpu:1"])
+        >>> isinstance(mirrored, ks.Mirrored), len(mirrored.values)
+        (True, 2)
+    """
 
 
 def is_distributed(value: Any) -> bool:

@@ -64,7 +64,20 @@ class OptionalValue:
 
 
 class DistributedIterator:
-    """Iterator over global steps; each element holds one value per replica."""
+    """Iterator over global steps; each element holds one value per replica.
+
+    As `tf.distribute.DistributedIterator`: `iter(dist_dataset)` returns one.
+    Iterate it in Python (batches are split on the host), and call a
+    compiled step once per element.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> dataset = strategy.make_experimental_numpy_dataset(np.ones((8, 1), "float32")).batch(4)
+        >>> iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        >>> batch = next(iterator)
+        >>> [tuple(shard.shape) for shard in batch.values]
+        [(2, 1), (2, 1)]
+    """
 
     def __init__(self, next_step: Callable[[], Any], dataset: "DistributedDataset"):
         self._next_step = next_step
@@ -82,9 +95,27 @@ class DistributedIterator:
         return self._next()
 
     def get_next(self) -> Any:
+        """The next element; raises `StopIteration` at the end (as `next(iterator)`).
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dataset = strategy.make_experimental_numpy_dataset(np.ones((4, 1), "float32")).batch(4)
+            >>> iterator = iter(strategy.experimental_distribute_dataset(dataset))
+            >>> len(iterator.get_next().values)
+            2
+        """
         return self._next()
 
     def get_next_as_optional(self) -> OptionalValue:
+        """The next element as an optional: `has_value()` is False at the end instead of raising.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dataset = strategy.make_experimental_numpy_dataset(np.ones((4, 1), "float32")).batch(4)
+            >>> iterator = iter(strategy.experimental_distribute_dataset(dataset))
+            >>> iterator.get_next_as_optional().has_value(), iterator.get_next_as_optional().has_value()
+            (True, False)
+        """
         try:
             return OptionalValue(self._next(), True)
         except StopIteration:
@@ -111,7 +142,20 @@ class DistributedDataset:
     """What `experimental_distribute_dataset` and `distribute_datasets_from_function` return.
 
     As `tf.distribute.DistributedDataset`: iterate it (`for`, `iter`) for one
-    distributed value per step, each leaf a `PerReplica` with every replica's part.
+    distributed value per step, each leaf a `PerReplica` with every replica's
+    part, and pass that to `strategy.run`. Iteration stops when no replica
+    (of any worker) has data left; nothing is dropped. Get it from the
+    strategy; do not construct it.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> x = np.arange(6, dtype="float32").reshape(6, 1)
+        >>> dataset = strategy.make_experimental_numpy_dataset(x).batch(4)  # batches of 4 and 2
+        >>> for batch in strategy.experimental_distribute_dataset(dataset):
+        ...     sums = strategy.run(lambda shard: keras.ops.sum(shard), args=(batch,))
+        ...     print(float(strategy.reduce("sum", sums, axis=None)))
+        6.0
+        9.0
     """
 
     def __init__(self, strategy: Any, options: Optional[InputOptions]):
@@ -177,6 +221,14 @@ class DistributedDataset:
         return tf.nest.map_structure(per_replica, spec)
 
     def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
+        """Folds `reduce_func(state, element)` over the elements, from `initial_state`.
+
+        Examples:
+            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dataset = strategy.make_experimental_numpy_dataset(np.ones((8, 1), "float32")).batch(4)
+            >>> strategy.experimental_distribute_dataset(dataset).reduce(0, lambda steps, _: steps + 1)
+            2
+        """
         state = initial_state
         for element in self:
             state = reduce_func(state, element)

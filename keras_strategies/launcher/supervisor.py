@@ -26,7 +26,8 @@ from keras_strategies.launcher.processes import (
     stop_all,
 )
 
-TIMEOUT_EXIT_CODE = 124  # what coreutils `timeout` uses
+TIMEOUT_EXIT_CODE = 124
+"""The launcher's exit code when the job times out (as coreutils' `timeout`)."""
 DEFAULT_GRACE = 5.0
 MESSAGE_PREFIX = "keras_strategies.launch: "
 _STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -139,17 +140,38 @@ def launch(
 ) -> int:
     """Runs `python script args...` as `workers` local processes of one multi-worker job.
 
-    Each process gets its own `TF_CONFIG` (free ports on 127.0.0.1; with
-    `chief=True` process 0 is the chief), `KERAS_BACKEND=backend` and
-    `KERAS_STRATEGIES_CPU_DEVICES=devices_per_worker` when given, plus `env`.
-    Output lines are prefixed with the task (`"[worker 1] "`) and written to
-    `stdout`/`stderr` (default: `sys.stdout`/`sys.stderr`). `module=True` runs
-    `python -m script` instead.
+    The Python form of `python -m keras_strategies.launch`. Each process gets
+    its own `TF_CONFIG` (free ports on 127.0.0.1), so that
+    `ks.MultiWorkerMirroredStrategy()` finds its peers. Any failure stops
+    the whole job, since the other workers would wait forever for a missing peer.
 
-    Returns 0 when every worker exits 0; else the exit code of the first worker
-    to fail (128 + S if killed by signal S), 128 + S when the launcher gets
-    signal S (130 for Ctrl-C), or 124 on timeout. In every case all workers and
-    their children are stopped first: SIGTERM, then SIGKILL after `grace` s.
+    Args:
+        script: The script's path, or a module name with `module=True`.
+        args: The script's own arguments.
+        workers: The number of worker processes.
+        devices_per_worker: Sets `KERAS_STRATEGIES_CPU_DEVICES` (virtual CPU devices).
+        backend: Sets `KERAS_BACKEND` (default: inherited).
+        chief: Make process 0 a `"chief"` task and the others `"worker"` tasks.
+        timeout: Stop all workers and return 124 after this many seconds.
+        env: Extra environment variables (`None` values unset a variable).
+        stdout: Where the workers' output goes, each line prefixed with its
+            task (`"[worker 1] "`); default `sys.stdout`.
+        stderr: The same for their error output; default `sys.stderr`.
+        module: Run `python -m script`.
+        grace: Seconds between SIGTERM and SIGKILL when stopping workers.
+
+    Returns:
+        0 when every worker exits 0; else the exit code of the first worker to
+        fail (128 + S if killed by signal S), 128 + S when the launcher gets
+        signal S (130 for Ctrl-C), or 124 on timeout. In every case all workers
+        and their children are stopped first.
+
+    Examples:
+        ```python
+        from keras_strategies.launch import launch
+
+        exit_code = launch("train.py", ["--epochs", "3"], workers=2, backend="jax", timeout=600)
+        ```
     """
     if not isinstance(script, str) or not script:
         raise ValueError(f"`script` must be a non-empty path or module name, got {script!r}.")

@@ -20,6 +20,12 @@ def free_ports(n: int, host: str = LOCALHOST) -> list[int]:
     All sockets stay bound until every port is picked, so the ports are
     unique; they are closed before returning so workers can bind them (another
     process could still grab one in between; that race is inherent).
+
+    Examples:
+        >>> from keras_strategies.launch import free_ports
+        >>> ports = free_ports(2)
+        >>> len(set(ports))
+        2
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"The number of ports must be an int >= 0, got {n!r}.")
@@ -69,8 +75,15 @@ def task_name(task: dict[str, object]) -> str:
 def tf_config_for(index: int, addresses: Sequence[Address], chief: bool = False) -> dict[str, object]:
     """The `TF_CONFIG` (as a dict; `json.dumps` it) for process `index` of the cluster.
 
-    >>> tf_config_for(1, [5000, 5001])
-    {'cluster': {'worker': ['127.0.0.1:5000', '127.0.0.1:5001']}, 'task': {'type': 'worker', 'index': 1}}
+    Integers in `addresses` are ports on 127.0.0.1; with `chief=True` process 0
+    is the chief. For starting workers by other means than the launcher.
+
+    Examples:
+        >>> from keras_strategies.launch import tf_config_for
+        >>> tf_config_for(1, [5000, 5001])
+        {'cluster': {'worker': ['127.0.0.1:5000', '127.0.0.1:5001']}, 'task': {'type': 'worker', 'index': 1}}
+        >>> tf_config_for(0, ["host0:2222", "host1:2222"], chief=True)["task"]
+        {'type': 'chief', 'index': 0}
     """
     return {
         "cluster": cluster_spec(addresses, chief=chief),

@@ -12,9 +12,14 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 class CommunicationImplementation(enum.Enum):
     """Which collective implementation cross-worker reductions use.
 
-    `AUTO` lets the backend choose; `RING` is the ring algorithm over the
-    network (gloo on JAX and PyTorch, gRPC collectives on TensorFlow); `NCCL`
-    needs GPUs.
+    As `tf.distribute.experimental.CommunicationImplementation`. `AUTO` lets
+    the backend choose; `RING` is the ring algorithm over the network (gloo
+    on JAX and PyTorch, gRPC collectives on TensorFlow); `NCCL` needs GPUs.
+
+    Examples:
+        >>> options = ks.CommunicationOptions(implementation=ks.CommunicationImplementation.RING)
+        >>> options.implementation
+        <CommunicationImplementation.RING: 'RING'>
     """
 
     AUTO = "AUTO"
@@ -23,14 +28,26 @@ class CommunicationImplementation(enum.Enum):
 
 
 class CommunicationOptions:
-    """How cross-worker collectives run.
+    """How cross-worker collectives run, as `tf.distribute.experimental.CommunicationOptions`.
 
-    `bytes_per_pack`: gradients are packed into chunks of about this size
-    (0: one pack; TensorFlow honours it, other backends pack everything).
-    `timeout_seconds`: a collective that has not completed after this long
-    fails every worker with an error naming the missing worker (`None`: the
-    default of 300 s; dead workers are detected sooner, by heartbeats).
-    `implementation`: a `CommunicationImplementation`.
+    Pass it to `ks.MultiWorkerMirroredStrategy(communication_options=...)`.
+
+    Args:
+        bytes_per_pack: Gradients are packed into chunks of about this size
+            (0: one pack; TensorFlow honours it, other backends pack everything).
+        timeout_seconds: A collective that has not completed after this long
+            fails every worker with an error naming the missing worker (`None`:
+            the default of 300 s; dead workers are detected sooner, by heartbeats).
+        implementation: A `ks.CommunicationImplementation`, or its name.
+
+    Examples:
+        >>> options = ks.CommunicationOptions(timeout_seconds=120, implementation="ring")
+        >>> options.implementation
+        <CommunicationImplementation.RING: 'RING'>
+
+        ```python
+        strategy = ks.MultiWorkerMirroredStrategy(communication_options=options)
+        ```
     """
 
     def __init__(
@@ -59,10 +76,18 @@ class CommunicationOptions:
 
     @property
     def effective_timeout(self) -> float:
+        """`timeout_seconds`, or the default of 300 s when it is `None`."""
         return float(self.timeout_seconds) if self.timeout_seconds is not None else DEFAULT_TIMEOUT_SECONDS
 
-    def merge(self, options: Optional["CommunicationOptions"]) -> "CommunicationOptions":
-        """These options with the non-default fields of `options` on top (as TF's `Options.merge`)."""
+    def merge(self, options: Optional[CommunicationOptions]) -> CommunicationOptions:
+        """These options with the non-default fields of `options` on top (as TensorFlow's `Options.merge`).
+
+        Examples:
+            >>> base = ks.CommunicationOptions(timeout_seconds=60)
+            >>> merged = base.merge(ks.CommunicationOptions(implementation="ring"))
+            >>> merged.timeout_seconds, merged.implementation.name
+            (60, 'RING')
+        """
         if options is None:
             return self
         return CommunicationOptions(

@@ -28,7 +28,24 @@ LEFT = "left"
 
 
 class LostWorkerError(RuntimeError):
-    """A worker of the cluster died, left or hung: the collective cannot complete."""
+    """A worker of the cluster died, left or hung: the collective cannot complete.
+
+    Raised on the other workers of a `MultiWorkerMirroredStrategy` within
+    about 10 s of a worker's death (heartbeats), or after
+    `CommunicationOptions.timeout_seconds` when a worker hangs; the message
+    names the worker (where `tf.distribute` raises errors such as
+    `tf.errors.UnavailableError`). Restart all workers; Keras'
+    `BackupAndRestore` callback resumes from the chief's backup.
+
+    Examples:
+        ```python
+        try:
+            model.fit(x, y, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("/shared/backup")])
+        except ks.LostWorkerError as error:
+            print(error)  # e.g. "worker 1 (127.0.0.1:2223) sent no heartbeat for 10 s"
+            raise SystemExit(1)
+        ```
+    """
 
 
 class HealthMonitor:

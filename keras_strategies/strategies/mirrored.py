@@ -99,12 +99,27 @@ class MirroredExtended(StrategyExtended):
 
 
 class MirroredStrategy(Strategy):
-    """Synchronous training on several devices of one machine.
+    """Synchronous training on several devices of one machine, as `tf.distribute.MirroredStrategy`.
 
-    `devices=None` means every local accelerator, or every (virtual) CPU
-    device when there is none. Each global batch is split across the
-    replicas; gradients are summed with `cross_device_ops` (chosen as
-    TensorFlow does when `None`) and one identical update is applied.
+    Each global batch is split across the replicas; gradients are summed
+    and one identical update is applied, so training matches that of one
+    device with the same global batch (up to floating-point rounding). The
+    methods are those of `ks.Strategy`.
+
+    Args:
+        devices: Device names (`["gpu:0", "gpu:1"]`); `None` means every local
+            accelerator, or every (virtual) CPU device when there is none.
+        cross_device_ops: How gradients are summed between devices (a
+            `ks.CrossDeviceOps`); `None` chooses as TensorFlow does.
+
+    Examples:
+        >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.num_replicas_in_sync
+        2
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)  # 2 rows per replica
     """
 
     def __init__(self, devices: Optional[Sequence[str]] = None, cross_device_ops: Optional[CrossDeviceOps] = None):

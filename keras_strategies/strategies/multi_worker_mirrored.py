@@ -338,15 +338,38 @@ class MultiWorkerMirroredExtended(MirroredExtended):
 
 
 class MultiWorkerMirroredStrategy(Strategy):
-    """Synchronous training on the devices of several workers (as `tf.distribute.MultiWorkerMirroredStrategy`).
+    """Synchronous training on the devices of several workers, as `tf.distribute.MultiWorkerMirroredStrategy`.
 
-    The cluster comes from `cluster_resolver` (default: `TF_CONFIG` through
-    `ks.cluster_resolver.TFConfigClusterResolver`); without `TF_CONFIG` this
-    is one local worker. Create the strategy at program start, before the
-    backend runs any operation: it joins the cluster (blocking until every
-    worker has started). Each worker uses all its local accelerators, else
-    all its (virtual) CPU devices; `num_replicas_in_sync` is workers x local
-    devices. See the README for input sharding and chief-only writes.
+    Create the strategy at program start, before the backend runs any
+    operation: it joins the cluster (blocking until every worker has
+    started). Each worker uses all its local accelerators, else all its
+    (virtual) CPU devices; `num_replicas_in_sync` is workers x local devices.
+    Every worker runs the same program; only the chief leaves Keras'
+    checkpoints, saved models and logs behind and prints progress. The
+    methods are those of `ks.Strategy`.
+
+    Args:
+        cluster_resolver: Where the cluster and this worker's role come from;
+            `None` reads `TF_CONFIG` (`ks.cluster_resolver.TFConfigClusterResolver`).
+            Without `TF_CONFIG` this is one local worker.
+        communication_options: A `ks.CommunicationOptions` for the cross-worker
+            collectives (implementation, timeout).
+
+    Examples:
+        Each worker runs the same script, here started on this machine by
+        `python -m keras_strategies.launch --workers 2 train.py`:
+
+        ```python
+        # train.py
+        import keras
+        import keras_strategies as ks
+
+        strategy = ks.MultiWorkerMirroredStrategy()  # reads TF_CONFIG
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=64, epochs=3)  # 64 rows per step over all workers
+        ```
     """
 
     def __init__(self, cluster_resolver: Any = None, communication_options: Optional[CommunicationOptions] = None):
@@ -368,6 +391,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     @property
     def cluster_resolver(self) -> Any:
+        """The cluster resolver this strategy was created with (by default a `TFConfigClusterResolver`)."""
         return self._cluster_resolver
 
     def __repr__(self) -> str:
