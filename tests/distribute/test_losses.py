@@ -104,7 +104,7 @@ def test_backend_tensors_are_accepted_and_dtype_is_kept():
     assert as_float(result) == pytest.approx(0.75)
 
 
-def test_errors():
+def test_bad_losses_and_global_batch_sizes_are_refused_naming_the_problem():
     with pytest.raises(ValueError, match="at least rank 1"):
         ks.compute_average_loss(3.0)
     with pytest.raises(TypeError, match="global_batch_size must be an integer"):

@@ -2,8 +2,8 @@
 
 Its model has no `Input`: it builds on its first call, inside `strategy.run` and
 a `tf.function`, under a `tf.GradientTape` whose variables are read after the
-forward pass. That trains like one device here as under `tf.distribute`: the same training
-written with `tf.GradientTape` alone (`tests/reference_loops.py`) is the reference.
+forward pass. That trains like one device here as under `tf.distribute`: it equals the same
+training written with `tf.GradientTape` alone on one device (`tests/reference_loops.py`).
 """
 
 import keras
