@@ -219,7 +219,7 @@ def test_each_worker_has_its_own_process_group_in_the_launchers_session(job):
         assert report["session"] == os.getsid(0)
 
 
-def test_chief_layout(job):
+def test_a_chief_and_workers_each_get_their_own_address_and_task_in_tf_config(job):
     code, out, err, _ = _run(job, {"*": {"do": "report"}}, workers=3, chief=True)
     assert code == 0, err
     reports = {task: json.loads(lines[0]) for task, lines in _by_task(out).items()}

@@ -7,7 +7,7 @@ import pytest
 from keras_strategies.cluster_resolver import ClusterSpec
 
 
-def test_dense_spec_accessors():
+def test_a_dense_spec_lists_its_jobs_tasks_and_addresses():
     spec = ClusterSpec({"worker": ["w0:1", "w1:1", "w2:1"], "ps": ("p0:1",)})
     assert spec.jobs == ["worker", "ps"]
     assert spec.num_tasks("worker") == 3
@@ -34,7 +34,7 @@ def test_sparse_indices_are_cast_with_int_and_dense_dicts_become_lists():
     assert spec.as_dict() == {"worker": ["a", "b"], "ps": {2: "p2"}}
 
 
-def test_empty_spec_and_empty_job():
+def test_an_empty_spec_is_false_and_an_empty_job_has_no_tasks():
     assert not ClusterSpec({})
     assert ClusterSpec({}).jobs == []
     assert ClusterSpec({}).as_dict() == {}

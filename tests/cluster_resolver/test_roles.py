@@ -24,7 +24,7 @@ def _validate_pss(cluster, task_type, task_id):
     roles.validate_parameter_server_config(cluster, task_type, task_id)
 
 
-# The ten error cases of the reference (§2.10), with TF's exact texts.
+# Ten invalid cluster configurations, each refused with TF's exact text.
 ERROR_CASES = [
     ("disallowed job", roles.validate_cluster_spec, ({"foo": ["a"]}, None, None),
      "Disallowed task type found in cluster spec. Allowed types are "
@@ -95,11 +95,11 @@ def test_mwms_rejects_ps_tasks_like_tf():
         ({"worker": {0: "a", 2: "b"}}, "worker", 0, True),
     ],
 )
-def test_is_chief(cluster, task_type, task_id, expected):
+def test_the_chief_is_the_chief_task_or_worker_0_without_one_and_each_evaluator(cluster, task_type, task_id, expected):
     assert roles.is_chief(cluster, task_type, task_id) is expected
 
 
-def test_is_chief_validates():
+def test_is_chief_refuses_a_task_id_beyond_the_job():
     with pytest.raises(ValueError, match="exceeds the maximum id of worker"):
         roles.is_chief(W2, "worker", 5)
 
@@ -115,7 +115,7 @@ def test_task_id_is_checked_against_the_task_count_even_when_sparse():
     [(W2, "worker", 2), (CW, "chief", 2), (CW, "worker", 2), (FULL, "worker", 4),
      (FULL, "evaluator", 1), (W2, "evaluator", 0)],
 )
-def test_worker_count(cluster, task_type, count):
+def test_worker_count_counts_chief_and_workers_and_one_for_an_evaluator(cluster, task_type, count):
     assert roles.worker_count(cluster, task_type) == count
 
 
@@ -129,7 +129,7 @@ def test_worker_count_rejects_ps():
     [(W2, "worker", 1, 1), (CW, "chief", 0, 0), (CW, "worker", 0, 1), (FULL, "worker", 2, 3),
      (FULL, "evaluator", 0, 0)],
 )
-def test_id_in_cluster(cluster, task_type, task_id, expected):
+def test_id_in_cluster_numbers_the_chief_first_then_the_workers(cluster, task_type, task_id, expected):
     assert roles.id_in_cluster(cluster, task_type, task_id) == expected
 
 
@@ -138,7 +138,7 @@ def test_id_in_cluster_has_no_id_for_ps():
         roles.id_in_cluster(FULL, "ps", 1)
 
 
-def test_leaders():
+def test_collective_and_coordination_leaders_are_the_first_chief_worker_or_ps_task():
     assert roles.collective_leader({}, None, None) == ""
     assert roles.collective_leader(W2, "worker", 1) == "/job:worker/replica:0/task:0"
     assert roles.collective_leader(CW, "worker", 0) == "/job:chief/replica:0/task:0"
@@ -149,7 +149,7 @@ def test_leaders():
     assert roles.coordination_leader(W2) == "/job:worker/replica:0/task:0"
 
 
-def test_normalize_and_task_count():
+def test_cluster_specs_normalize_from_dicts_and_count_tasks_per_job():
     spec = ClusterSpec(W2)
     assert roles.normalize_cluster_spec(spec) is spec
     assert roles.normalize_cluster_spec(W2) == spec

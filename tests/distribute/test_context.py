@@ -1,4 +1,4 @@
-"""The strategy stack: current strategy, contexts, scopes (reference §1.1, §2.1)."""
+"""The strategy stack: current strategy, contexts, scopes."""
 
 import keras
 import numpy as np

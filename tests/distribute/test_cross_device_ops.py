@@ -23,7 +23,7 @@ def per_replica(values):
      ks.HierarchicalCopyAllReduce(), ks.HierarchicalCopyAllReduce(num_packs=2)],
     ids=["to-one-device", "to-cpu2", "hierarchical", "hierarchical-2-packs"],
 )
-def test_reduce_and_batch_reduce(cross_device_ops):
+def test_reduce_and_batch_reduce_sum_or_average_replica_values_onto_the_destination(cross_device_ops):
     value = per_replica([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     np.testing.assert_allclose(ops.convert_to_numpy(cross_device_ops.reduce("sum", value, "cpu:0")), [9.0, 12.0])
     np.testing.assert_allclose(ops.convert_to_numpy(cross_device_ops.reduce(ks.ReduceOp.MEAN, value, "cpu:1")), [3.0, 4.0])

@@ -21,7 +21,7 @@ from keras_strategies.distribute.devices import canonical_device, default_comput
         ("cuda:2", "gpu:2"),
     ],
 )
-def test_canonical_device(name, expected):
+def test_device_names_are_canonicalized_to_type_and_index(name, expected):
     assert canonical_device(name) == expected
 
 
@@ -32,7 +32,7 @@ def test_four_virtual_cpu_devices_from_the_environment():
     assert resolve_devices(["/cpu:2", "cpu:0"]) == ["cpu:2", "cpu:0"]
 
 
-def test_bad_device_lists():
+def test_duplicate_empty_string_or_unknown_device_lists_are_refused():
     with pytest.raises(ValueError, match="Duplicate devices"):
         resolve_devices(["cpu:0", "/cpu:0"])
     with pytest.raises(ValueError, match="at least one device"):
@@ -51,7 +51,7 @@ def test_changing_the_count_after_initialisation_raises_runtime_error():
 
 
 @pytest.mark.parametrize("count", [0, -1, 1.5, True])
-def test_invalid_counts(count):
+def test_virtual_cpu_counts_that_are_not_positive_ints_are_refused(count):
     with pytest.raises(ValueError, match="int >= 1"):
         ks.set_virtual_cpu_devices(count)
 

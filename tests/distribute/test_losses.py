@@ -1,14 +1,42 @@
-"""`compute_average_loss` and `scale_regularization_loss` golden values (reference §2.4-2.5)."""
+"""`compute_average_loss` and `scale_regularization_loss` golden values.
 
+In the TensorFlow run, TensorFlow's own `tf.nn.compute_average_loss` and
+`tf.nn.scale_regularization_loss` give the same values: without a strategy, and in
+the replicas of TF's own `MirroredStrategy` where they depend on the replica count.
+"""
+
+import functools
+
+import keras
 import numpy as np
 import pytest
 from keras import ops
 
 import keras_strategies as ks
 
+TENSORFLOW = keras.backend.backend() == "tensorflow"
+
 
 def as_float(value):
     return float(ops.convert_to_numpy(value))
+
+
+@functools.lru_cache(maxsize=None)
+def tf_mirrored_strategy():
+    """TensorFlow's own `MirroredStrategy` on two of the test process's virtual CPUs."""
+    import tensorflow as tf
+
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def tf_in_replicas(fn, per_replica):
+    """`fn(value)` in each replica of `tf_mirrored_strategy()`, replica i given `per_replica[i]`."""
+    import tensorflow as tf
+
+    strategy = tf_mirrored_strategy()
+    values = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(per_replica[context.replica_id_in_sync_group]))
+    return [float(v) for v in strategy.experimental_local_results(strategy.run(fn, args=(values,)))]
 
 
 class TwoReplicaStrategy(ks.Strategy):
@@ -30,17 +58,31 @@ class TwoReplicaStrategy(ks.Strategy):
 )
 def test_golden_values_without_strategy(kwargs, expected):
     assert as_float(ks.compute_average_loss([1.0, 2.0, 3.0, 4.0], **kwargs)) == pytest.approx(expected)
+    if TENSORFLOW:
+        import tensorflow as tf
+
+        assert float(tf.nn.compute_average_loss([1.0, 2.0, 3.0, 4.0], **kwargs)) == pytest.approx(expected)
 
 
 def test_non_batch_axes_are_summed_too():
     assert as_float(ks.compute_average_loss(np.ones((2, 3), "float32"))) == pytest.approx(3.0)
+    if TENSORFLOW:
+        import tensorflow as tf
+
+        assert float(tf.nn.compute_average_loss(np.ones((2, 3), "float32"))) == pytest.approx(3.0)
 
 
 def test_sample_weight_of_shape_batch_by_one_applies_per_example():
     losses = np.array([1.0, 2.0, 3.0, 4.0], "float32")
     weights = np.array([[1.0], [0.0], [1.0], [0.0]], "float32")
-    assert as_float(ks.compute_average_loss(losses, sample_weight=weights)) == pytest.approx(1.0)
-    assert as_float(ks.compute_average_loss(losses[:, None], sample_weight=weights[:, 0])) == pytest.approx(1.0)
+    implementations = [ks.compute_average_loss]
+    if TENSORFLOW:
+        import tensorflow as tf
+
+        implementations.append(tf.nn.compute_average_loss)
+    for compute_average_loss in implementations:
+        assert as_float(compute_average_loss(losses, sample_weight=weights)) == pytest.approx(1.0)
+        assert as_float(compute_average_loss(losses[:, None], sample_weight=weights[:, 0])) == pytest.approx(1.0)
 
 
 def test_sample_weights_that_do_not_fit_the_losses_are_refused_with_both_shapes():
@@ -48,6 +90,11 @@ def test_sample_weights_that_do_not_fit_the_losses_are_refused_with_both_shapes(
         ks.compute_average_loss(np.ones((4,), "float32"), sample_weight=np.ones((3,), "float32"), global_batch_size=4)
     scalar = ks.compute_average_loss(np.ones((4, 2), "float32"), sample_weight=2.0, global_batch_size=4)
     assert as_float(scalar) == pytest.approx(4.0)
+    if TENSORFLOW:
+        import tensorflow as tf
+
+        scalar = tf.nn.compute_average_loss(np.ones((4, 2), "float32"), sample_weight=2.0, global_batch_size=4)
+        assert float(scalar) == pytest.approx(4.0)
 
 
 def test_backend_tensors_are_accepted_and_dtype_is_kept():
@@ -57,7 +104,7 @@ def test_backend_tensors_are_accepted_and_dtype_is_kept():
     assert as_float(result) == pytest.approx(0.75)
 
 
-def test_errors():
+def test_bad_losses_and_global_batch_sizes_are_refused_naming_the_problem():
     with pytest.raises(ValueError, match="at least rank 1"):
         ks.compute_average_loss(3.0)
     with pytest.raises(TypeError, match="global_batch_size must be an integer"):
@@ -69,13 +116,18 @@ def test_errors():
 
 
 def test_cross_replica_context_needs_global_batch_size():
-    strategy = ks.OneDeviceStrategy("cpu:0")
-    with strategy.scope():
-        with pytest.raises(RuntimeError, match="compute_average_loss` in cross replica context"):
-            ks.compute_average_loss([1.0, 2.0])
-        assert as_float(ks.compute_average_loss([1.0, 2.0], global_batch_size=4)) == pytest.approx(0.75)
-        with pytest.raises(RuntimeError, match="scale_regularization_loss` in cross replica context"):
-            ks.scale_regularization_loss([1.0])
+    strategies = [(ks.OneDeviceStrategy("cpu:0"), ks.compute_average_loss, ks.scale_regularization_loss)]
+    if TENSORFLOW:
+        import tensorflow as tf
+
+        strategies.append((tf.distribute.OneDeviceStrategy("/cpu:0"), tf.nn.compute_average_loss, tf.nn.scale_regularization_loss))
+    for strategy, compute_average_loss, scale_regularization_loss in strategies:
+        with strategy.scope():
+            with pytest.raises(RuntimeError, match="compute_average_loss` in cross replica context"):
+                compute_average_loss([1.0, 2.0])
+            assert as_float(compute_average_loss([1.0, 2.0], global_batch_size=4)) == pytest.approx(0.75)
+            with pytest.raises(RuntimeError, match="scale_regularization_loss` in cross replica context"):
+                scale_regularization_loss([1.0])
 
 
 def test_uneven_replicas_default_divisor_is_local_batch_times_replicas():
@@ -88,6 +140,12 @@ def test_uneven_replicas_default_divisor_is_local_batch_times_replicas():
     exact = strategy.run(lambda l: ks.compute_average_loss(l, global_batch_size=10), args=(losses,))
     assert [as_float(v) for v in exact.values] == pytest.approx([0.6, 0.4])
     assert as_float(strategy.reduce("sum", exact, axis=None)) == pytest.approx(1.0)
+    if TENSORFLOW:
+        import tensorflow as tf
+
+        assert tf_in_replicas(tf.nn.compute_average_loss, losses.values) == pytest.approx([1.0, 2.0])
+        exact = tf_in_replicas(lambda l: tf.nn.compute_average_loss(l, global_batch_size=10), losses.values)
+        assert exact == pytest.approx([0.6, 0.4])
 
 
 def test_scale_regularization_loss_divides_by_replicas():
@@ -98,6 +156,12 @@ def test_scale_regularization_loss_divides_by_replicas():
     # A list of tensors such as `model.losses`.
     parts = [ops.convert_to_tensor(1.0), ops.convert_to_tensor(np.array([1.0, 2.0], "float32"))]
     assert as_float(strategy.run(ks.scale_regularization_loss, args=(parts,)).values[0]) == pytest.approx(2.0)
+    if TENSORFLOW:  # (TensorFlow's own takes a tensor, or a list of equal shapes)
+        import tensorflow as tf
+
+        assert float(tf.nn.scale_regularization_loss([1.0, 3.0])) == pytest.approx(4.0)
+        scaled = tf_in_replicas(tf.nn.scale_regularization_loss, [np.array([1.0, 3.0], "float32")] * 2)
+        assert scaled == pytest.approx([2.0, 2.0])
 
 
 def test_empty_replica_gives_zero_not_nan():
@@ -105,3 +169,7 @@ def test_empty_replica_gives_zero_not_nan():
     losses = ks.PerReplica([np.array([1.0, 2.0], "float32"), np.zeros((0,), "float32")])
     per_replica = strategy.run(ks.compute_average_loss, args=(losses,))
     assert [as_float(v) for v in per_replica.values] == pytest.approx([0.75, 0.0])
+    if TENSORFLOW:
+        import tensorflow as tf
+
+        assert tf_in_replicas(tf.nn.compute_average_loss, losses.values) == pytest.approx([0.75, 0.0])

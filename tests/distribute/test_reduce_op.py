@@ -16,7 +16,7 @@ def test_unknown_reduce_op_names_the_value():
         ks.ReduceOp.parse("max")
 
 
-def test_from_variable_aggregation():
+def test_sum_and_mean_aggregations_map_to_reduce_ops_and_others_are_refused():
     assert ks.ReduceOp.from_variable_aggregation("sum") is ks.ReduceOp.SUM
     assert ks.ReduceOp.from_variable_aggregation("mean") is ks.ReduceOp.MEAN
     with pytest.raises(ValueError, match="only_first_replica"):

@@ -1,4 +1,4 @@
-"""Distributed values and regrouping of per-replica results (reference §1.3, §1.7)."""
+"""Distributed values and regrouping of per-replica results."""
 
 import collections
 

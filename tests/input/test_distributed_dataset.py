@@ -1,4 +1,4 @@
-"""Distributed datasets: split invariants, iteration styles, options (reference §2.2)."""
+"""Distributed datasets: split invariants, iteration styles, options."""
 
 import keras
 import numpy as np
@@ -22,7 +22,7 @@ def steps(strategy, dataset):
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4])
 @pytest.mark.parametrize("size, batch, drop", [(10, 4, False), (10, 4, True), (7, 5, False), (4, 4, False), (8, 4, False)])
-def test_split_invariants(replicas, size, batch, drop):
+def test_batches_split_in_order_into_shards_differing_by_at_most_one_row(replicas, size, batch, drop):
     strategy = strategy_of(replicas)
     dataset = strategy.make_experimental_numpy_dataset(np.arange(size)).batch(batch, drop_remainder=drop)
     result = steps(strategy, dataset)
@@ -36,13 +36,13 @@ def test_split_invariants(replicas, size, batch, drop):
         assert max(sizes) <= -(-batch // replicas) and max(sizes) - min(sizes) <= 1
 
 
-def test_documented_examples():
+def test_a_short_batch_splits_row_by_row_leaving_the_last_replicas_empty():
     assert steps(strategy_of(2), ks.get_strategy().make_experimental_numpy_dataset(np.arange(6)).batch(4)) == [[[0, 1], [2, 3]], [[4], [5]]]
     four = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
     assert steps(four, four.make_experimental_numpy_dataset(np.arange(3)).batch(3)) == [[[0], [1], [2], []]]
 
 
-def test_iterators_and_optional():
+def test_an_iterator_gives_every_batch_then_an_empty_optional():
     strategy = strategy_of(2)
     dist = strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset(np.arange(6)).batch(4))
     iterator = iter(dist)

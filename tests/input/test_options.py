@@ -1,4 +1,4 @@
-"""`InputContext`, `ValueContext`, `InputOptions` (reference §1.6)."""
+"""`InputContext`, `ValueContext`, `InputOptions`."""
 
 import pytest
 
@@ -19,7 +19,7 @@ def test_indivisible_global_batch_size_raises_the_tf_message():
         context.get_per_replica_batch_size(10)
 
 
-def test_value_context_and_options():
+def test_value_context_and_input_options_keep_their_arguments_and_defaults():
     context = ks.ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=2)
     assert (context.replica_id_in_sync_group, context.num_replicas_in_sync) == (1, 2)
     options = ks.InputOptions()

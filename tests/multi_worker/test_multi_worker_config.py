@@ -4,6 +4,7 @@ Everything here is decided before a worker joins a cluster, so it runs in the
 test process; real multi-process runs are in the other `test_multi_worker_*` modules.
 """
 
+import contextlib
 import json
 import os
 import threading
@@ -43,8 +44,9 @@ def test_nccl_is_refused_without_gpus():
 
 
 def _fit(strategy, x, y):
+    """Keras' `fit` of a small model, built in `strategy`'s scope or (None) outside every scope."""
     keras.utils.set_random_seed(3)
-    with strategy.scope() if strategy else ks.get_strategy().scope():
+    with strategy.scope() if strategy else contextlib.nullcontext():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
     history = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)

@@ -50,7 +50,7 @@ def test_run_refuses_arguments_that_are_not_a_tuple():
     assert strategy.run(lambda value: value, args=[3]) == 3
 
 
-def test_reduce_golden_values():
+def test_reduce_sums_or_averages_replica_values_and_uneven_shards_along_an_axis():
     strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
     scalars = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.float32(3 + 10 * ctx.replica_id_in_sync_group)
@@ -70,7 +70,7 @@ def test_reducing_a_plain_value_with_sum_over_several_replicas_is_refused():
     assert float(ops.convert_to_numpy(strategy.reduce("mean", np.float32(1.0), axis=None))) == 1.0
 
 
-def test_collectives_inside_run():
+def test_all_reduce_all_gather_and_merge_call_inside_run_span_every_replica():
     strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
 
     def fn():
@@ -107,7 +107,7 @@ def test_an_error_in_one_replica_stops_the_others_and_is_raised():
 
 
 def test_metrics_updated_inside_run_aggregate_over_replicas():
-    """Reference §3.5.9: a Mean fed [1, 1, 1] on replica 0 and [10] on replica 1 reads 3.25."""
+    """A Mean fed [1, 1, 1] on replica 0 and [10] on replica 1 reads 3.25, the mean of all four values."""
     strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():
         metric = keras.metrics.Mean()

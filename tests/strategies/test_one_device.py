@@ -101,7 +101,7 @@ def test_compute_average_loss_in_training_step_sees_one_replica():
     assert (strategy, True) in seen
 
 
-def test_reduce_and_gather():
+def test_reduce_and_gather_on_one_device_keep_the_value_or_reduce_along_the_axis():
     strategy = ks.OneDeviceStrategy("cpu:0")
     values = np.array([[1.0, 2.0], [3.0, 4.0]], "float32")
     np.testing.assert_allclose(ops.convert_to_numpy(strategy.reduce("sum", values, axis=None)), values)

@@ -1,4 +1,4 @@
-"""Keras callbacks keep working under `ks.MirroredStrategy` (acceptance, every backend).
+"""Keras callbacks keep working under `ks.MirroredStrategy`, on every backend.
 
 Each test trains a model built in a 3- or 4-replica `MirroredStrategy` scope
 and compares it with the same model trained without any strategy from the same

@@ -32,7 +32,7 @@ def test_batch_sizes_that_differ_by_even_one_row_raise_on_every_worker(sizes):
 
 
 @pytest.mark.parametrize("rows, workers", [(256, 2), (100_000, 3), (1, 8), (0, 2)])
-def test_equal_batches_pass(rows, workers):
+def test_identical_batches_on_every_worker_pass_the_check(rows, workers):
     total = _total(*[_batch(rows)] * workers)
     cross_worker.check_fingerprints(total, rows, workers, exact=True)
 

@@ -1,4 +1,4 @@
-"""`fit` / `evaluate` / `predict` under MirroredStrategy equal one device (issue 3 acceptance).
+"""`fit` / `evaluate` / `predict` under MirroredStrategy equal one device.
 
 Every case trains the same model from the same initial weights with and
 without the strategy on the same global batches, for 1 to 4 replicas and for
@@ -223,7 +223,7 @@ def test_an_uncompiled_model_predicts_and_asks_for_compile_elsewhere():
             call()
 
 def test_per_batch_logs_equal_one_device():
-    """11 samples, batch 4, 2 replicas: the last batch splits [2, 1] (reference §2.8)."""
+    """11 samples, batch 4, 2 replicas: the last batch splits [2, 1]."""
     x = np.arange(11, dtype="float32").reshape(11, 1) / 10.0
     y = 2.0 * x + 1.0
 

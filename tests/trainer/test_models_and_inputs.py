@@ -1,4 +1,4 @@
-"""Models, layers and input types under MirroredStrategy (issue 3)."""
+"""Models, layers and input types under MirroredStrategy train like one device."""
 
 import warnings
 
@@ -50,7 +50,7 @@ def penalised_model():
     return model
 
 
-def test_dict_inputs_functional_model():
+def test_a_functional_model_with_dict_inputs_trains_like_one_device():
     assert_same_training(functional_two_inputs, *dict_data(11), batch_size=4, replicas=3)
 
 
@@ -282,7 +282,7 @@ def test_a_py_dataset_read_by_workers_takes_the_batches_of_one_device():
 
 if BACKEND == "torch":
 
-    def test_torch_dataloader_input():
+    def test_a_torch_data_loader_trains_like_one_device():
         import torch
         from test_loops import dense_model
 
@@ -296,7 +296,7 @@ if BACKEND == "torch":
 
 if BACKEND == "tensorflow":
 
-    def test_tf_data_input_with_partial_batch():
+    def test_a_tf_data_dataset_with_a_partial_batch_trains_like_one_device():
         import tensorflow as tf
         from test_loops import dense_model
 
@@ -347,7 +347,7 @@ def test_an_optimizers_loss_scale_factor_scales_the_loss_as_on_one_device():
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_mixed_precision(policy):
+def test_mixed_precision_trains_like_one_device_within_half_float_rounding(policy):
     from test_loops import dense_model
 
     keras.config.set_dtype_policy(policy)

@@ -58,7 +58,7 @@ def _text_outputs(cell) -> str:
     return "".join(parts)
 
 
-def test_tutorials_exist():
+def test_the_tutorials_directory_holds_notebooks():
     assert NOTEBOOKS, f"no notebooks found in {TUTORIALS}"
 
 

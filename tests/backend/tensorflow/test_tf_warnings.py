@@ -3,7 +3,7 @@
 - TensorFlow counts a function's traces per Python code object and warns of "frequent
   retracing" after five in ten calls. Every replicated step (train, test and predict, of every
   model) and every compiled optimizer update shared one code object, so a `fit` with validation
-  data and a `predict`, or a few models in one session, printed that warning with no
+  data and a `predict`, or a few models in one process, printed that warning with no
   retracing to blame.
 - "Using MirroredStrategy eagerly has significant overhead": the engine runs some steps eagerly
   by design (a model's own `train_step`), and the warning names TF calls the user never made.

@@ -73,19 +73,6 @@ def build_sync_bn_model(synchronized=True):
     return model
 
 
-def single_process_statistics(model):
-    """The reference for a synchronized model in one process: the global statistics are the local ones.
-
-    Keras' own synchronized moments on TensorFlow compute E[x^2] - E[x]^2,
-    whose rounding after a few SGD steps differs by ~1.4e-5 from the
-    two-pass variance that every strategy path (and Keras' unsynchronized
-    moments) uses.
-    """
-    for layer in model.layers:
-        if isinstance(layer, keras.layers.BatchNormalization):
-            layer.synchronized = False
-
-
 class OwnSteps(keras.Model):
     """Overrides every step and defers to Keras' own (the signature differs per backend).
 
