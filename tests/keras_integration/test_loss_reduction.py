@@ -192,7 +192,7 @@ def _mean_loss_with_penalty():
 def test_a_data_dependent_add_loss_term_counts_once_also_beside_replicas_without_rows(build):
     # 25 rows in batches of 12: shards of 4 rows, then one row on the first replica only. The
     # others run a padding row, whose `add_loss` term must not count (nor, on JAX, could a
-    # padding row of a shard with real rows be told apart from them: see the README).
+    # padding row of a shard with real rows be told apart from them: see docs/guide/limits.md).
     data = _data(1)
     x, y = np.concatenate([data["x"], data["x"][:2]]), np.concatenate([data["y"], data["y"][:2]])
     assert_same_fit(build, x, y, batch_size=12, replicas=REPLICAS)
@@ -202,7 +202,7 @@ def test_a_data_dependent_add_loss_term_counts_once_also_beside_replicas_without
 def test_each_output_keeps_its_own_reduction(weighted):
     # "sum" adds the replicas' sums; "mean_with_sample_weight" divides by the global weight total.
     # Two full batches of 11 (shards of 4, 4, 3): on a partial batch Keras' TensorFlow trainer
-    # logs per-output losses differently (README, limits).
+    # logs per-output losses differently (docs/guide/limits.md).
     data = {key: value[:22] for key, value in _data(2).items()}
     targets = {"r": data["y"], "c": (data["y"] > 0).astype("float32")}
     kwargs = {"sample_weight": data["weights"]} if weighted else {}

@@ -133,7 +133,7 @@ def build_mixed_model(policy):
     """`build_model` under a mixed-precision policy: predictions and activations in half floats.
 
     A loss scale of 2^8, not 2^15: at 2^15 a float16 gradient summed over the whole batch
-    overflows in one process where the workers' half-batch sums do not (README, mixed precision).
+    overflows in one process where the workers' half-batch sums do not (docs/guide/mixed-precision.md).
     """
     keras.config.set_dtype_policy(policy)
     try:
@@ -251,7 +251,7 @@ def two_output_run(model, x, y):
     """`fit` and `evaluate` with dict targets (`c` must stay in [0, 1]) and sample weights.
 
     45 rows in full batches of 15, split unevenly (8 + 7, or 4 + 4 + 4 + 3): on a partial
-    batch Keras' TensorFlow trainer logs per-output losses differently (README, limits).
+    batch Keras' TensorFlow trainer logs per-output losses differently (docs/guide/limits.md).
     """
     x, y = x[:45], y[:45]
     targets = {"r": y, "c": (y > 0).astype("float32")}
