@@ -209,7 +209,8 @@ class ReplicaStep:
     @contextlib.contextmanager
     def _enter(self, replica_id: Any, mask: Any):
         replica_context = context.ReplicaContext(self.strategy, replica_id, row_mask=mask, in_program=True)
-        with keras_state.installed(self._keras_state), context.enter_frame(self.strategy, replica_context):
+        with keras_state.installed(self._keras_state), context.enter_frame(self.strategy, replica_context), \
+                engine.replicas.replica_device_scope(replica_id, self.devices):
             yield
 
     def _objective(self, trainable, non_trainable, metrics, x, y, sample_weight, weights, training):

@@ -8,6 +8,7 @@ pass a mask (see `EQUAL_SHARDS`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Any, Callable, Sequence
@@ -192,6 +193,14 @@ def replica_view(value: Any, device: str) -> jax.Array:
 def onto(value: Any, like: Any) -> jax.Array:
     """`value` on the device of `like`."""
     return jax.device_put(value, next(iter(like.devices())))
+
+
+def replica_device_scope(replica_id: Any, devices: Sequence[str]) -> contextlib.AbstractContextManager:
+    """Where Keras creates a replica's tensors in a replicated step: nothing to set.
+
+    JAX places computations with their inputs (and a compiled program's with its mesh).
+    """
+    return contextlib.nullcontext()
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:
