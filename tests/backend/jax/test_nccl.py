@@ -1,6 +1,7 @@
 """JAX sums `ks.NcclAllReduce`'s values with one XLA all-reduce over the devices (NCCL on GPUs)."""
 
 import jax
+import keras
 import numpy as np
 import pytest
 from keras import ops
@@ -48,11 +49,27 @@ def test_nccl_all_reduce_and_fit_on_two_gpus_run_the_engines_all_reduce(gpus):
     np.testing.assert_allclose(ops.convert_to_numpy(summed), parts[0] + parts[1])
     assert compiled._cache_size() == 1  # compiled for this one signature, i.e. the sum ran through it
 
-    import keras
-
     strategy = ks.MirroredStrategy(gpus, cross_device_ops=ks.NcclAllReduce())
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile(loss="mse", optimizer="sgd")
     model.fit(np.ones((8, 3), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0)
     assert compiled._cache_size() > 1  # the gradients' pack too
+
+
+@pytest.mark.gpu
+def test_eager_replicas_on_two_gpus_all_reduce_with_the_engines_all_reduce(gpus):
+    # `strategy.run` (custom loops, a model's own `train_step`) runs replicas as eager threads.
+    compiled, _ = nccl.program(gpus)
+    compiled.clear_cache()
+    strategy = ks.MirroredStrategy(gpus)
+
+    def replica_fn():
+        context = ks.get_replica_context()
+        return context.all_reduce("sum", jax.numpy.full((4,), context.replica_id_in_sync_group + 1.0))
+
+    result = strategy.run(replica_fn)
+    for value, device in zip(result.values, gpus):
+        assert engine.devices.device_of(value) == device
+        np.testing.assert_allclose(np.asarray(value), np.full((4,), 3.0))
+    assert compiled._cache_size() == 1
