@@ -2,7 +2,14 @@
 
 A `CrossDeviceOps` turns a `PerReplica` value into one value on the
 destination device. Subclasses override the `*_implementation` methods, as in
-TensorFlow. Copies between devices go through the backend engine.
+TensorFlow. Copies between devices go through the backend engine, and so does
+`NcclAllReduce` (`engine.nccl`: each backend's own NCCL).
+
+A strategy's `cross_device_ops` sums `fit`'s gradients only when the user
+passed it (with the default, the replica program sums them with the engine's
+all-reduce); it always averages the replicas' non-trainable values.
+`strategy.reduce` and `extended.reduce_to` add copies on the host instead, and
+`ReplicaContext.all_reduce` is the engine's in-step all-reduce.
 """
 
 from __future__ import annotations
