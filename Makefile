@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs install clean
+.PHONY: demo test test-gpu docs install clean
 
 install: $(STAMP)
 
@@ -27,6 +27,12 @@ docs: $(STAMP)
 # The docs build first: it takes seconds, the suite takes minutes.
 test: docs
 	$(PY) scripts/test_all_backends.py
+
+# Only the tests marked `gpu` (they skip with fewer than 2 GPUs; `make test` runs them too). One
+# backend at a time, each taking GPU memory only as it needs it: side by side they would compete for it.
+test-gpu: $(STAMP)
+	KS_TEST_JOBS=1 TF_FORCE_GPU_ALLOW_GROWTH=true XLA_PYTHON_CLIENT_PREALLOCATE=false \
+		$(PY) scripts/test_all_backends.py -m gpu
 
 clean:
 	rm -rf $(VENV) site

@@ -37,6 +37,15 @@ BACKEND = keras.backend.backend()
 collect_ignore_glob = [f"backend/{name}/*" for name in ("jax", "tensorflow", "torch") if name != BACKEND]
 
 
+@pytest.fixture
+def gpus():
+    """The first two GPUs the backend sees (`["gpu:0", "gpu:1"]`); skips the test with fewer."""
+    found = [d for d in keras_strategies.list_devices() if d.startswith("gpu:")]
+    if len(found) < 2:
+        pytest.skip(f"needs 2 GPUs visible to the {BACKEND} backend; it sees {len(found)}")
+    return found[:2]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
     """Each test starts from the same seed and an empty Keras session.

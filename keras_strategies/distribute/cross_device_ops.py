@@ -2,7 +2,14 @@
 
 A `CrossDeviceOps` turns a `PerReplica` value into one value on the
 destination device. Subclasses override the `*_implementation` methods, as in
-TensorFlow. Copies between devices go through the backend engine.
+TensorFlow. Copies between devices go through the backend engine, and so does
+`NcclAllReduce` (`engine.nccl`: each backend's own NCCL).
+
+A strategy's `cross_device_ops` sums `fit`'s gradients only when the user
+passed it (with the default, the replica program sums them with the engine's
+all-reduce); it always averages the replicas' non-trainable values.
+`strategy.reduce` and `extended.reduce_to` add copies on the host instead, and
+`ReplicaContext.all_reduce` is the engine's in-step all-reduce.
 """
 
 from __future__ import annotations
@@ -149,7 +156,9 @@ class _PackedAllReduce(CrossDeviceOps):
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         components = [ops.convert_to_tensor(c) for c in _components(per_replica_value)]
         device = _destination(destinations)
-        return _finish(reduce_op, self._reduce_components(components, device), len(components))
+        total = self._reduce_components(components, device)
+        with engine.devices.device_scope(device):
+            return _finish(reduce_op, total, len(components))
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         if self.num_packs == 0 or len(value_destination_pairs) < 2:
@@ -171,18 +180,21 @@ class _PackedAllReduce(CrossDeviceOps):
         bounds = _pack_bounds(len(per_replica), self.num_packs)
         results: list = []
         for start, stop in bounds:
-            packed = [
-                ops.concatenate([ops.reshape(per_replica[i][r], (-1,)) for i in range(start, stop)], axis=0)
-                for r in range(num_replicas)
-            ]
-            flat = _finish(reduce_op, self._reduce_components(packed, device), num_replicas)
-            offset = 0
-            for i in range(start, stop):
-                size = 1
-                for dim in shapes[i]:
-                    size *= int(dim)
-                results.append(ops.reshape(flat[offset:offset + size], shapes[i]))
-                offset += size
+            packed = []
+            for r in range(num_replicas):
+                # Each replica's pack on its device (TensorFlow would put it on its default device).
+                with engine.devices.device_scope(engine.devices.device_of(per_replica[start][r])):
+                    packed.append(ops.concatenate([ops.reshape(per_replica[i][r], (-1,)) for i in range(start, stop)], axis=0))
+            total = self._reduce_components(packed, device)
+            with engine.devices.device_scope(device):
+                flat = _finish(reduce_op, total, num_replicas)
+                offset = 0
+                for i in range(start, stop):
+                    size = 1
+                    for dim in shapes[i]:
+                        size *= int(dim)
+                    results.append(ops.reshape(flat[offset:offset + size], shapes[i]))
+                    offset += size
         return results
 
 
@@ -227,9 +239,14 @@ class HierarchicalCopyAllReduce(_PackedAllReduce):
 
 
 class NcclAllReduce(_PackedAllReduce):
-    """NVIDIA NCCL all-reduce between GPUs; refused for devices that are not all GPUs.
+    """NVIDIA NCCL all-reduce between GPUs, run by the backend's own NCCL; refused for other devices.
 
-    As `tf.distribute.NcclAllReduce`; `num_packs` as in `HierarchicalCopyAllReduce`.
+    As `tf.distribute.NcclAllReduce`. TensorFlow: `tf.distribute.NcclAllReduce`.
+    PyTorch: `torch.cuda.nccl`. JAX: XLA's all-reduce over the GPUs, which XLA
+    runs with NCCL. Values are packed first (`num_packs`, as in
+    `HierarchicalCopyAllReduce`). Parts that do not sit one per GPU (two on one
+    GPU) are added by copies, as TensorFlow's `NcclAllReduce` then reduces to
+    one device.
 
     Examples:
         ```python
@@ -238,15 +255,18 @@ class NcclAllReduce(_PackedAllReduce):
     """
 
     def _reduce_components(self, components, device):
-        devices = {engine.devices.device_of(c) for c in components} | {device}
-        not_gpu = sorted(d for d in devices if not d.startswith("gpu:"))
+        devices = [engine.devices.device_of(c) for c in components]
+        not_gpu = sorted(d for d in set(devices) | {device} if not d.startswith("gpu:"))
         if not_gpu:
             raise ValueError(
                 f"NcclAllReduce needs every replica on a GPU, but {not_gpu} are not GPUs. Use "
                 "cross_device_ops=ks.ReductionToOneDevice() or ks.HierarchicalCopyAllReduce() "
                 "(the default picks one for you)."
             )
-        return HierarchicalCopyAllReduce._reduce_components(self, components, device)
+        if len(components) == 1 or len(set(devices)) < len(devices):
+            return HierarchicalCopyAllReduce._reduce_components(self, components, device)
+        (sums,) = engine.nccl.all_reduce_sum([list(components)], devices)
+        return sums[devices.index(device)] if device in devices else engine.devices.copy_to(sums[0], device)
 
 
 def select_cross_device_ops(devices: Sequence[str]) -> CrossDeviceOps:

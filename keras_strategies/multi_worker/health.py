@@ -10,6 +10,9 @@ the chief's store stopped answering, or the collective has waited
 `timeout_seconds` for peers that never joined it (they hang). Collectives
 blocked inside a backend cannot be interrupted, so after reporting the error
 the watchdog ends the process if the collective has not failed by itself.
+
+So a killed worker fails the others about `DEAD_AFTER` (10 s) after its last
+heartbeat; one whose collective stays blocked is ended `EXIT_GRACE` (3 s) later.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ class MirroredExtended(StrategyExtended):
                 f"got {cross_device_ops!r}."
             )
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._devices)
-        # With the default choice, Keras steps may sum gradients inside the replica program
-        # with the backend's own all-reduce; an explicit choice is always honoured.
+        # With the default choice, Keras steps sum gradients and loss inside the replica program
+        # with the backend's own all-reduce; an explicit choice sums them after it.
         self._default_cross_device_ops = cross_device_ops is None
 
     def _call_for_each_replica(self, fn, args, kwargs):
@@ -106,11 +106,18 @@ class MirroredStrategy(Strategy):
     device with the same global batch (up to floating-point rounding). The
     methods are those of `ks.Strategy`.
 
+    With `cross_device_ops=None`, Keras' steps sum gradients and loss inside
+    the replica step with the backend's own all-reduce (NCCL between GPUs); a
+    `cross_device_ops` you pass sums them instead. `cross_device_ops` (when
+    `None`, chosen as TensorFlow does: `NcclAllReduce` between GPUs, else
+    `ReductionToOneDevice`) also averages the replicas' non-trainable values,
+    such as BatchNormalization's statistics.
+
     Args:
         devices: Device names (`["gpu:0", "gpu:1"]`); `None` means every local
             accelerator, or every (virtual) CPU device when there is none.
         cross_device_ops: How gradients are summed between devices (a
-            `ks.CrossDeviceOps`); `None` chooses as TensorFlow does.
+            `ks.CrossDeviceOps`); `None` sums them in the replica step, as above.
 
     Examples:
         >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])

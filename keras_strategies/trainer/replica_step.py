@@ -17,11 +17,13 @@ term that *sums* over the batch is scaled by the shard's share). No weight
 reaches padding rows in an `add_loss` term, a loss function's own batch mean or
 an overridden `compute_loss`: where the engine pads uneven shards to one shape
 (JAX), a model with such terms runs its uneven steps eagerly, unpadded.
-Gradients are summed across replicas, clipped by the optimizer after that sum,
-and applied once: inside the replica program with the backend's all-reduce
-when the strategy uses its default cross-device ops, else on the host with the
-`cross_device_ops` the user chose. Metrics are updated once, on the whole
-global batch, so logs equal single-device logs.
+Gradients (and the loss) are summed across replicas, clipped by the optimizer
+after that sum, and applied once: inside the replica program with the engine's
+all-reduce (`engine.replicas.all_reduce_sum`, NCCL between GPUs) when the
+strategy uses its default cross-device ops, else after the program with the
+`cross_device_ops` the user chose. The replicas' non-trainable values are
+averaged with the strategy's `cross_device_ops` either way. Metrics are updated
+once, on the whole global batch, so logs equal single-device logs.
 """
 
 from __future__ import annotations
@@ -209,7 +211,8 @@ class ReplicaStep:
     @contextlib.contextmanager
     def _enter(self, replica_id: Any, mask: Any):
         replica_context = context.ReplicaContext(self.strategy, replica_id, row_mask=mask, in_program=True)
-        with keras_state.installed(self._keras_state), context.enter_frame(self.strategy, replica_context):
+        with keras_state.installed(self._keras_state), context.enter_frame(self.strategy, replica_context), \
+                engine.replicas.replica_device_scope(replica_id, self.devices):
             yield
 
     def _objective(self, trainable, non_trainable, metrics, x, y, sample_weight, weights, training):

@@ -1,4 +1,4 @@
-"""A killed worker fails the others within the timeout; restarting resumes from the chief's backup.
+"""A killed worker fails the others within 20 s; restarting resumes from the chief's backup.
 
 Real processes on 127.0.0.1. The crash run starts the workers directly (as on
 separate machines, with no launcher to stop the survivors), the resume run
@@ -24,6 +24,9 @@ sys.path.insert(0, PROGRAMS)
 from common import GLOBAL_BATCH, build_model, data  # noqa: E402
 
 TIMEOUT_SECONDS = 30  # the programs' CommunicationOptions(timeout_seconds=...)
+# A killed worker fails the others about 10 s after it died (`health.DEAD_AFTER` without heartbeats):
+# the bound from the kill to the chief's exit, with room for a slow or loaded machine.
+LOST_WORKER_SECONDS = 20
 
 
 def _start_workers(out, phase):
@@ -56,11 +59,11 @@ def crash(tmp_path_factory):
                 chief_out=chief_out, chief_err=chief_err, chief_seconds=chief_seconds)
 
 
-def test_a_killed_worker_fails_the_chief_within_the_timeout_naming_it(crash):
+def test_a_killed_worker_fails_the_chief_within_20_seconds_naming_it(crash):
     assert "KILLING worker 1" in crash["worker_out"], crash["worker_out"]
     assert crash["worker_code"] == -9
     assert crash["chief_code"] not in (0, None), crash["chief_out"]
-    assert crash["chief_seconds"] < TIMEOUT_SECONDS + 15, crash["chief_seconds"]
+    assert crash["chief_seconds"] <= LOST_WORKER_SECONDS, crash["chief_seconds"]
     assert "LostWorkerError" in crash["chief_err"], crash["chief_err"][-3000:]
     assert "worker 1" in crash["chief_err"].split("LostWorkerError")[-1], crash["chief_err"][-3000:]
     assert "DONE" not in crash["chief_out"]

@@ -1,16 +1,18 @@
 """JAX replicas: one SPMD program over a device mesh (`jax.shard_map`).
 
 Every replica runs the same traced function on its shard; `all_reduce` is
-`jax.lax.psum` over the replica axis, JAX's own collective, differentiable.
+`jax.lax.psum` over the replica axis, JAX's own collective, differentiable
+(XLA runs it with NCCL on GPUs).
 SPMD needs equal shard shapes, so callers pad shards to the same size and
 pass a mask (see `EQUAL_SHARDS`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
 from keras_strategies.backend.common import replica_threads
-from keras_strategies.backend.jax import shared_state
-from keras_strategies.backend.jax.devices import device_scope, jax_device
+from keras_strategies.backend.jax import nccl, shared_state
+from keras_strategies.backend.jax.devices import device_of, device_scope, jax_device
 
 EQUAL_SHARDS = True
 NATIVE_SYNC_BATCH_NORM = False
@@ -46,9 +48,32 @@ def _on_device_of(values: list, reference: Any) -> list:
     return [jax.device_put(v, device) for v in values]
 
 
+def _own_gpus(per_replica: list) -> Optional[list]:
+    """Each replica's GPU (`"gpu:<i>"`) when every replica's values sit on one GPU of its own and
+    match the other replicas' in shape and dtype (what one NCCL all-reduce needs), else `None`."""
+    names = []
+    for values in per_replica:
+        if not values or not all(isinstance(v, jax.Array) for v in values):
+            return None
+        found = {d for v in values for d in v.devices()}
+        if len(found) != 1 or next(iter(found)).platform not in ("gpu", "cuda", "rocm"):
+            return None
+        names.append(device_of(values[0]))
+    same = all(len({(v.shape, v.dtype) for v in leaf}) == 1 for leaf in zip(*per_replica))
+    return names if same and len(set(names)) == len(names) else None
+
+
 def _thread_sum(values: list) -> list:
-    """Sums of `values` over the eager replica threads, each on the device of its own value."""
+    """Sums of `values` over the eager replica threads, each on the device of its own value: one
+    XLA all-reduce (NCCL) when each replica has its own GPU (replica 0 runs it for all), else
+    the copies added. Every replica sees the same exchanged values, so all take the same path."""
     per_replica = replica_threads.exchange(list(values))
+    gpus = _own_gpus(per_replica)
+    if gpus is not None:
+        _, replica_id = replica_threads.current()
+        leaves = [list(leaf) for leaf in zip(*per_replica)]
+        sums = nccl.all_reduce_sum(leaves, gpus) if replica_id == 0 else None
+        return [value_sums[replica_id] for value_sums in replica_threads.exchange(sums)[0]]
     totals = []
     for i, value in enumerate(values):
         parts = _on_device_of([replica[i] for replica in per_replica], value)
@@ -192,6 +217,14 @@ def replica_view(value: Any, device: str) -> jax.Array:
 def onto(value: Any, like: Any) -> jax.Array:
     """`value` on the device of `like`."""
     return jax.device_put(value, next(iter(like.devices())))
+
+
+def replica_device_scope(replica_id: Any, devices: Sequence[str]) -> contextlib.AbstractContextManager:
+    """Where Keras creates a replica's tensors in a replicated step: nothing to set.
+
+    JAX places computations with their inputs (and a compiled program's with its mesh).
+    """
+    return contextlib.nullcontext()
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:

@@ -2,7 +2,8 @@
 
 Each replica function runs in TensorFlow's replica context (inside a
 `tf.function` when compiled), so `all_reduce` is TensorFlow's cross-device
-all-reduce, differentiable as in `tf.distribute`.
+all-reduce, differentiable as in `tf.distribute`: `tf.distribute.NcclAllReduce`
+between GPUs, `ReductionToOneDevice` otherwise.
 """
 
 from __future__ import annotations
@@ -33,13 +34,20 @@ def batch_leaf(value: Any) -> Any:
     """
     return value
 
+
+def in_step_cross_device_ops(devices: Sequence[str]) -> tf.distribute.CrossDeviceOps:
+    """What TensorFlow's replica context all-reduces with in our steps: NCCL between several GPUs
+    (TensorFlow's own `NcclAllReduce`), else copies reduced on one device."""
+    if len(devices) > 1 and all(d.startswith("gpu:") for d in devices):
+        return tf.distribute.NcclAllReduce()
+    return tf.distribute.ReductionToOneDevice()
+
+
 def _tf_strategy(devices: Sequence[str]) -> tf.distribute.MirroredStrategy:
     key = tuple(devices)
     if key not in _strategies:
         names = [f"/device:{d.split(':')[0].upper()}:{d.split(':')[1]}" for d in devices]
-        _strategies[key] = tf.distribute.MirroredStrategy(
-            names, cross_device_ops=tf.distribute.ReductionToOneDevice()
-        )
+        _strategies[key] = tf.distribute.MirroredStrategy(names, cross_device_ops=in_step_cross_device_ops(devices))
     return _strategies[key]
 
 
@@ -165,6 +173,14 @@ def _any_batch_size(value: Any) -> Any:
     if tf.executing_eagerly() or not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
         return value
     return tf.raw_ops.PlaceholderWithDefault(input=value, shape=[None] + value.shape.as_list()[1:])
+
+
+def replica_device_scope(replica_id: Any, devices: Sequence[str]) -> contextlib.AbstractContextManager:
+    """Where Keras creates a replica's tensors in a replicated step: nothing to set.
+
+    TensorFlow's strategy places each replica itself.
+    """
+    return contextlib.nullcontext()
 
 
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:

@@ -8,3 +8,4 @@ from keras_strategies.backend.torch import optimizer  # noqa: F401
 from keras_strategies.backend.torch import trainer  # noqa: F401
 from keras_strategies.backend.torch import collectives  # noqa: F401
 from keras_strategies.backend.torch import keras_hooks  # noqa: F401
+from keras_strategies.backend.torch import nccl  # noqa: F401

@@ -1,8 +1,9 @@
 """PyTorch replicas: one Python thread per replica (see `keras_strategies.backend.common.replica_threads`).
 
 PyTorch has no single-process SPMD program. `all_reduce` exchanges tensors
-between the replica threads and is differentiable: its backward pass
-all-reduces the incoming gradients the same way.
+between the replica threads (one `torch.cuda.nccl` all-reduce when each replica
+has its own GPU, copies added otherwise) and is differentiable: its backward
+pass all-reduces the incoming gradients the same way.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
+from keras.src import tree
 
 from keras_strategies.backend.common import replica_threads
-from keras_strategies.backend.torch import module_buffers
-from keras_strategies.backend.torch.devices import torch_device
+from keras_strategies.backend.torch import module_buffers, nccl
+from keras_strategies.backend.torch.devices import device_scope, torch_device
 
 # Replicas may have different shard sizes: each runs its own shard unpadded.
 EQUAL_SHARDS = False
@@ -44,14 +46,27 @@ def _sum_on(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
     return total
 
 
+def _replica_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """This replica's sum of `tensor` over the replica threads: one NCCL all-reduce when every
+    replica has its own GPU (replica 0 runs it for all), else the copies added on its device.
+    Every replica sees the same exchanged values, so all take the same path."""
+    values = replica_threads.exchange(tensor)
+    if not nccl.one_per_gpu(values):
+        return _sum_on(values, tensor.device)
+    _, replica_id = replica_threads.current()
+    devices = [f"gpu:{v.device.index}" for v in values]
+    sums = nccl.all_reduce_sum([values], devices)[0] if replica_id == 0 else None
+    return replica_threads.exchange(sums)[0][replica_id]
+
+
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor):  # noqa: D102
-        return _sum_on(replica_threads.exchange(tensor.detach()), tensor.device)
+        return _replica_sum(tensor.detach())
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        return _sum_on(replica_threads.exchange(grad.contiguous()), grad.device)
+        return _replica_sum(grad.contiguous())
 
 
 class _GlobalSum(torch.autograd.Function):
@@ -139,6 +154,25 @@ def _on_device(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if device == "cpu" else torch.device(device)
 
 
+def replica_device_scope(replica_id: int, devices: Sequence[str]) -> contextlib.AbstractContextManager:
+    """Where Keras creates a replica's tensors in a replicated step: the replica's GPU.
+
+    Keras on PyTorch keeps its device in the state that a step carries into the
+    replica threads (there: the first device, from the strategy's scope).
+    """
+    device = devices[replica_id]
+    return contextlib.nullcontext() if torch_device(device) == "cpu" else device_scope(device)
+
+
+def _shared_on(shared: tuple, name: str) -> tuple:
+    """The shared state as the replica on `name` reads it: a copy on its GPU, so that its
+    computation and gradients stay there; on the CPU, the tensors themselves."""
+    device = torch_device(name)
+    if device == "cpu":
+        return shared
+    return tree.map_structure(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, shared)
+
+
 def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variables: Sequence[Any] = ()) -> Callable:
     """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica.
 
@@ -152,7 +186,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
                 results = [fn(0, *shared, *per_replica[0])]
             else:
                 results = replica_threads.run(
-                    lambda i: fn(i, *shared, *per_replica[i]),
+                    lambda i: fn(i, *_shared_on(shared, devices[i]), *per_replica[i]),
                     len(devices),
                     lambda i: _on_device(devices[i]),
                     _PrivateGrads(parameters, len(devices)) if parameters else None,
