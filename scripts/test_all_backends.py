@@ -3,6 +3,11 @@
 Usage: python scripts/test_all_backends.py [pytest args]. Exits non-zero if
 any backend fails. `KS_TEST_BACKENDS=jax,torch` limits the backends.
 
+`KS_TEST_KERAS_MIN_PYTHON` names a Python whose Keras is the lowest supported
+release (`make test` builds it from requirements-keras-min.txt): the JAX suite
+then runs a fourth time, on that Python, as the run `jax-keras-min`. The other
+runs use this script's Python, which has the newest supported Keras.
+
 Most tests keep one core busy, so the backends run side by side
 (`KS_TEST_JOBS` at a time, default all; `KS_TEST_JOBS=1` runs them one after
 the other). Tests that start processes (workers, the launcher, notebook
@@ -26,19 +31,24 @@ import threading
 import time
 
 BACKENDS = ("tensorflow", "jax", "torch")
+KERAS_MIN_RUN = "jax-keras-min"  # the JAX suite on the lowest supported Keras
 # Started longest first, so that the runs end close together.
-START_ORDER = ("jax", "tensorflow", "torch")
+START_ORDER = ("jax", KERAS_MIN_RUN, "tensorflow", "torch")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
 _print_lock = threading.Lock()
 
 
 def run_backend(backend: str, pytest_args: list[str], lock_path: str) -> tuple[int, dict, float]:
-    env = dict(os.environ, KERAS_BACKEND=backend, KS_TEST_PROCESS_LOCK=lock_path)
+    """Runs one backend (or `jax-keras-min`); returns (exit code, counts, seconds)."""
+    python = sys.executable
+    if backend == KERAS_MIN_RUN:
+        python = os.environ["KS_TEST_KERAS_MIN_PYTHON"]
+    env = dict(os.environ, KERAS_BACKEND=backend.split("-")[0], KS_TEST_PROCESS_LOCK=lock_path)
     started = time.monotonic()
     with _print_lock:
-        print(f"\n===== KERAS_BACKEND={backend} =====", flush=True)
+        print(f"\n===== {backend}: KERAS_BACKEND={env['KERAS_BACKEND']} on {python} =====", flush=True)
     process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", *pytest_args],
+        [python, "-m", "pytest", "-q", *pytest_args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     last = ""
@@ -50,7 +60,7 @@ def run_backend(backend: str, pytest_args: list[str], lock_path: str) -> tuple[i
     code = process.wait()
     counts = {kind.rstrip("s"): int(n) for n, kind in _COUNT.findall(last)}
     with _print_lock:
-        print(f"===== KERAS_BACKEND={backend} done in {time.monotonic() - started:.0f}s =====", flush=True)
+        print(f"===== {backend} done in {time.monotonic() - started:.0f}s =====", flush=True)
     return code, counts, time.monotonic() - started
 
 
@@ -80,11 +90,17 @@ def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
 
 
 def main() -> int:
+    keras_min_python = os.environ.get("KS_TEST_KERAS_MIN_PYTHON")
+    known = [*BACKENDS, KERAS_MIN_RUN]
     wanted = os.environ.get("KS_TEST_BACKENDS")
-    backends = wanted.split(",") if wanted else list(BACKENDS)
-    unknown = [b for b in backends if b not in BACKENDS]
+    backends = wanted.split(",") if wanted else [*BACKENDS, *([KERAS_MIN_RUN] if keras_min_python else [])]
+    unknown = [b for b in backends if b not in known]
     if unknown:
-        print(f"KS_TEST_BACKENDS names unknown backend(s) {unknown}; choose from {list(BACKENDS)}.")
+        print(f"KS_TEST_BACKENDS names unknown backend(s) {unknown}; choose from {known}.")
+        return 2
+    if KERAS_MIN_RUN in backends and not (keras_min_python and os.access(keras_min_python, os.X_OK)):
+        print(f"The run {KERAS_MIN_RUN} needs KS_TEST_KERAS_MIN_PYTHON, the Python of a virtual environment "
+              f"with the lowest supported Keras (`make test-keras-min` builds one); got {keras_min_python!r}.")
         return 2
     jobs_text = os.environ.get("KS_TEST_JOBS", str(len(backends)))
     if not jobs_text.isdigit() or int(jobs_text) < 1:
@@ -102,7 +118,7 @@ def main() -> int:
         total_passed += counts.get("passed", 0)
         total_failed += failed
         status = "ok" if code == 0 else f"FAILED (exit {code})"
-        print(f"{backend:>10}: {counts.get('passed', 0)} passed, {failed} failed, "
+        print(f"{backend:>13}: {counts.get('passed', 0)} passed, {failed} failed, "
               f"{counts.get('skipped', 0)} skipped in {seconds:.0f}s  {status}")
     print(f"total: {total_passed} passed, {total_failed} failed in {time.monotonic() - started:.0f}s "
           f"({min(jobs, len(backends))} backend(s) at a time)")
