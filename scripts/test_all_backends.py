@@ -6,7 +6,12 @@ any backend fails. `KS_TEST_BACKENDS=jax,torch` limits the backends.
 `KS_TEST_KERAS_MIN_PYTHON` names a Python whose Keras is the lowest supported
 release (`make test` builds it from requirements-keras-min.txt): the JAX suite
 then runs a fourth time, on that Python, as the run `jax-keras-min`. The other
-runs use this script's Python, which has the newest supported Keras.
+runs use this script's Python, which has the newest supported Keras. Beside
+other runs, `jax-keras-min` skips the tests that start processes
+(`KS_TEST_IN_PROCESS_ONLY`): those take turns through one lock (below), so each
+run's share adds to the wall time in full, and the `jax` run already runs them
+with the newest Keras. Alone (`KS_TEST_BACKENDS=jax-keras-min`, as in
+`make test-keras-min`) it runs them all.
 
 Most tests keep one core busy, so the backends run side by side
 (`KS_TEST_JOBS` at a time, default all; `KS_TEST_JOBS=1` runs them one after
@@ -16,7 +21,9 @@ kernels) take a lock file shared by the runs (`KS_TEST_PROCESS_LOCK`, see
 tests at once: those have timeouts that must not depend on the other runs'
 load. On the project's 2-core machine the same tests took 17.4 min one backend at
 a time, 14.9 min two at a time and 13.4 min all three at once. Each output
-line carries its backend.
+line carries its backend. With `jax-keras-min` beside the three, `make test`
+took 28.9 min; running its process tests too, 35.8 min (the JAX suite alone
+on the lowest Keras: 16.3 min).
 """
 
 from __future__ import annotations
@@ -38,12 +45,25 @@ _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
 _print_lock = threading.Lock()
 
 
-def run_backend(backend: str, pytest_args: list[str], lock_path: str) -> tuple[int, dict, float]:
-    """Runs one backend (or `jax-keras-min`); returns (exit code, counts, seconds)."""
+def run_backend(backend: str, pytest_args: list[str], directory: str, alone: bool) -> tuple[int, dict, float]:
+    """Runs one backend (or `jax-keras-min`); returns (exit code, counts, seconds).
+
+    `directory` holds what the runs share: the lock of the tests that start
+    processes and, for the two JAX runs, one persistent compilation cache
+    (`tests/conftest.py` makes one per run otherwise). Both Kerases build
+    mostly the same XLA programs, and a cached one is the program XLA would
+    compile: whichever run reaches a test second loads them instead.
+    """
     python = sys.executable
     if backend == KERAS_MIN_RUN:
         python = os.environ["KS_TEST_KERAS_MIN_PYTHON"]
-    env = dict(os.environ, KERAS_BACKEND=backend.split("-")[0], KS_TEST_PROCESS_LOCK=lock_path)
+    env = dict(os.environ, KERAS_BACKEND=backend.split("-")[0],
+               KS_TEST_PROCESS_LOCK=os.path.join(directory, "processes.lock"))
+    if backend == KERAS_MIN_RUN and not alone:
+        env["KS_TEST_IN_PROCESS_ONLY"] = "1"
+    if env["KERAS_BACKEND"] == "jax" and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(directory, "jax-cache"),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     started = time.monotonic()
     with _print_lock:
         print(f"\n===== {backend}: KERAS_BACKEND={env['KERAS_BACKEND']} on {python} =====", flush=True)
@@ -71,7 +91,6 @@ def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
         pending.put(backend)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="ks-tests-") as directory:
-        lock_path = os.path.join(directory, "processes.lock")
 
         def worker() -> None:
             while True:
@@ -79,7 +98,7 @@ def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
                     backend = pending.get_nowait()
                 except queue.Empty:
                     return
-                results[backend] = run_backend(backend, pytest_args, lock_path)
+                results[backend] = run_backend(backend, pytest_args, directory, alone=len(backends) == 1)
 
         threads = [threading.Thread(target=worker) for _ in range(max(1, min(jobs, len(backends))))]
         for thread in threads:
