@@ -4,8 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The lowest supported Keras (keras_strategies/_version.py): `make test` also runs the JAX suite on it.
+KERAS_MIN_VENV := .venv-keras-min
+KERAS_MIN_PY := $(KERAS_MIN_VENV)/bin/python
+KERAS_MIN_STAMP := $(KERAS_MIN_VENV)/.installed
 
-.PHONY: demo test test-gpu docs install clean
+.PHONY: demo test test-gpu test-keras-min docs install clean
 
 install: $(STAMP)
 
@@ -16,6 +20,13 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+$(KERAS_MIN_STAMP): requirements-keras-min.txt pyproject.toml
+	test -x $(KERAS_MIN_PY) || $(PYTHON) -m venv $(KERAS_MIN_VENV)
+	$(KERAS_MIN_PY) -m pip install --quiet --upgrade pip
+	$(KERAS_MIN_PY) -m pip install --quiet -r requirements-keras-min.txt
+	$(KERAS_MIN_PY) -m pip install --quiet --no-deps -e .
+	touch $(KERAS_MIN_STAMP)
+
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
@@ -24,9 +35,14 @@ demo: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 KERAS_BACKEND=jax $(PY) -m mkdocs build --strict --quiet --site-dir site
 
-# The docs build first: it takes seconds, the suite takes minutes.
-test: docs
-	$(PY) scripts/test_all_backends.py
+# The docs build first (it takes seconds); then the three backends on the newest supported
+# Keras, and JAX on the lowest, side by side.
+test: docs $(KERAS_MIN_STAMP)
+	KS_TEST_KERAS_MIN_PYTHON=$(CURDIR)/$(KERAS_MIN_PY) $(PY) scripts/test_all_backends.py
+
+# The JAX suite on the lowest supported Keras alone.
+test-keras-min: $(KERAS_MIN_STAMP)
+	KS_TEST_BACKENDS=jax-keras-min KS_TEST_KERAS_MIN_PYTHON=$(CURDIR)/$(KERAS_MIN_PY) $(KERAS_MIN_PY) scripts/test_all_backends.py
 
 # Only the tests marked `gpu` (they skip with fewer than 2 GPUs; `make test` runs them too). One
 # backend at a time, each taking GPU memory only as it needs it: side by side they would compete for it.
@@ -35,4 +51,4 @@ test-gpu: $(STAMP)
 		$(PY) scripts/test_all_backends.py -m gpu
 
 clean:
-	rm -rf $(VENV) site
+	rm -rf $(VENV) $(KERAS_MIN_VENV) site

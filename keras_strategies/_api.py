@@ -4,7 +4,12 @@ Importing it installs the package's Keras hooks, which change nothing for Keras
 code that never enters a strategy scope.
 """
 
-from keras_strategies import cluster_resolver
+from keras_strategies._version import check_keras as _check_keras
+
+# First: an unsupported Keras fails here, before the modules below use its internals or install hooks.
+_check_keras()
+
+from keras_strategies import cluster_resolver  # noqa: E402  (and the imports below)
 from keras_strategies import experimental
 from keras_strategies.distribute import missing_names as _missing
 from keras_strategies.distribute import devices as _devices

@@ -3,6 +3,16 @@
 Usage: python scripts/test_all_backends.py [pytest args]. Exits non-zero if
 any backend fails. `KS_TEST_BACKENDS=jax,torch` limits the backends.
 
+`KS_TEST_KERAS_MIN_PYTHON` names a Python whose Keras is the lowest supported
+release (`make test` builds it from requirements-keras-min.txt): the JAX suite
+then runs a fourth time, on that Python, as the run `jax-keras-min`. The other
+runs use this script's Python, which has the newest supported Keras. Beside
+other runs, `jax-keras-min` skips the tests that start processes
+(`KS_TEST_IN_PROCESS_ONLY`): those take turns through one lock (below), so each
+run's share adds to the wall time in full, and the `jax` run already runs them
+with the newest Keras. Alone (`KS_TEST_BACKENDS=jax-keras-min`, as in
+`make test-keras-min`) it runs them all.
+
 Most tests keep one core busy, so the backends run side by side
 (`KS_TEST_JOBS` at a time, default all; `KS_TEST_JOBS=1` runs them one after
 the other). Tests that start processes (workers, the launcher, notebook
@@ -11,7 +21,9 @@ kernels) take a lock file shared by the runs (`KS_TEST_PROCESS_LOCK`, see
 tests at once: those have timeouts that must not depend on the other runs'
 load. On the project's 2-core machine the same tests took 17.4 min one backend at
 a time, 14.9 min two at a time and 13.4 min all three at once. Each output
-line carries its backend.
+line carries its backend. With `jax-keras-min` beside the three, `make test`
+took 28.9 min; running its process tests too, 35.8 min (the JAX suite alone
+on the lowest Keras: 16.3 min).
 """
 
 from __future__ import annotations
@@ -26,19 +38,37 @@ import threading
 import time
 
 BACKENDS = ("tensorflow", "jax", "torch")
+KERAS_MIN_RUN = "jax-keras-min"  # the JAX suite on the lowest supported Keras
 # Started longest first, so that the runs end close together.
-START_ORDER = ("jax", "tensorflow", "torch")
+START_ORDER = ("jax", KERAS_MIN_RUN, "tensorflow", "torch")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
 _print_lock = threading.Lock()
 
 
-def run_backend(backend: str, pytest_args: list[str], lock_path: str) -> tuple[int, dict, float]:
-    env = dict(os.environ, KERAS_BACKEND=backend, KS_TEST_PROCESS_LOCK=lock_path)
+def run_backend(backend: str, pytest_args: list[str], directory: str, alone: bool) -> tuple[int, dict, float]:
+    """Runs one backend (or `jax-keras-min`); returns (exit code, counts, seconds).
+
+    `directory` holds what the runs share: the lock of the tests that start
+    processes and, for the two JAX runs, one persistent compilation cache
+    (`tests/conftest.py` makes one per run otherwise). Both Kerases build
+    mostly the same XLA programs, and a cached one is the program XLA would
+    compile: whichever run reaches a test second loads them instead.
+    """
+    python = sys.executable
+    if backend == KERAS_MIN_RUN:
+        python = os.environ["KS_TEST_KERAS_MIN_PYTHON"]
+    env = dict(os.environ, KERAS_BACKEND=backend.split("-")[0],
+               KS_TEST_PROCESS_LOCK=os.path.join(directory, "processes.lock"))
+    if backend == KERAS_MIN_RUN and not alone:
+        env["KS_TEST_IN_PROCESS_ONLY"] = "1"
+    if env["KERAS_BACKEND"] == "jax" and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(directory, "jax-cache"),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     started = time.monotonic()
     with _print_lock:
-        print(f"\n===== KERAS_BACKEND={backend} =====", flush=True)
+        print(f"\n===== {backend}: KERAS_BACKEND={env['KERAS_BACKEND']} on {python} =====", flush=True)
     process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", *pytest_args],
+        [python, "-m", "pytest", "-q", *pytest_args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     last = ""
@@ -50,7 +80,7 @@ def run_backend(backend: str, pytest_args: list[str], lock_path: str) -> tuple[i
     code = process.wait()
     counts = {kind.rstrip("s"): int(n) for n, kind in _COUNT.findall(last)}
     with _print_lock:
-        print(f"===== KERAS_BACKEND={backend} done in {time.monotonic() - started:.0f}s =====", flush=True)
+        print(f"===== {backend} done in {time.monotonic() - started:.0f}s =====", flush=True)
     return code, counts, time.monotonic() - started
 
 
@@ -61,7 +91,6 @@ def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
         pending.put(backend)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="ks-tests-") as directory:
-        lock_path = os.path.join(directory, "processes.lock")
 
         def worker() -> None:
             while True:
@@ -69,7 +98,7 @@ def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
                     backend = pending.get_nowait()
                 except queue.Empty:
                     return
-                results[backend] = run_backend(backend, pytest_args, lock_path)
+                results[backend] = run_backend(backend, pytest_args, directory, alone=len(backends) == 1)
 
         threads = [threading.Thread(target=worker) for _ in range(max(1, min(jobs, len(backends))))]
         for thread in threads:
@@ -80,11 +109,17 @@ def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
 
 
 def main() -> int:
+    keras_min_python = os.environ.get("KS_TEST_KERAS_MIN_PYTHON")
+    known = [*BACKENDS, KERAS_MIN_RUN]
     wanted = os.environ.get("KS_TEST_BACKENDS")
-    backends = wanted.split(",") if wanted else list(BACKENDS)
-    unknown = [b for b in backends if b not in BACKENDS]
+    backends = wanted.split(",") if wanted else [*BACKENDS, *([KERAS_MIN_RUN] if keras_min_python else [])]
+    unknown = [b for b in backends if b not in known]
     if unknown:
-        print(f"KS_TEST_BACKENDS names unknown backend(s) {unknown}; choose from {list(BACKENDS)}.")
+        print(f"KS_TEST_BACKENDS names unknown backend(s) {unknown}; choose from {known}.")
+        return 2
+    if KERAS_MIN_RUN in backends and not (keras_min_python and os.access(keras_min_python, os.X_OK)):
+        print(f"The run {KERAS_MIN_RUN} needs KS_TEST_KERAS_MIN_PYTHON, the Python of a virtual environment "
+              f"with the lowest supported Keras (`make test-keras-min` builds one); got {keras_min_python!r}.")
         return 2
     jobs_text = os.environ.get("KS_TEST_JOBS", str(len(backends)))
     if not jobs_text.isdigit() or int(jobs_text) < 1:
@@ -102,7 +137,7 @@ def main() -> int:
         total_passed += counts.get("passed", 0)
         total_failed += failed
         status = "ok" if code == 0 else f"FAILED (exit {code})"
-        print(f"{backend:>10}: {counts.get('passed', 0)} passed, {failed} failed, "
+        print(f"{backend:>13}: {counts.get('passed', 0)} passed, {failed} failed, "
               f"{counts.get('skipped', 0)} skipped in {seconds:.0f}s  {status}")
     print(f"total: {total_passed} passed, {total_failed} failed in {time.monotonic() - started:.0f}s "
           f"({min(jobs, len(backends))} backend(s) at a time)")

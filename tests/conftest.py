@@ -69,6 +69,16 @@ _PROCESS_TESTS = (
 )
 
 
+def pytest_collection_modifyitems(config, items):
+    """`KS_TEST_IN_PROCESS_ONLY=1` skips the tests above (`scripts/test_all_backends.py` sets it for one run)."""
+    if os.environ.get("KS_TEST_IN_PROCESS_ONLY") != "1":
+        return
+    skip = pytest.mark.skip(reason="starts processes; KS_TEST_IN_PROCESS_ONLY=1 runs only the tests that start none")
+    for item in items:
+        if item.nodeid.startswith(_PROCESS_TESTS):
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     lock_path = os.environ.get("KS_TEST_PROCESS_LOCK")

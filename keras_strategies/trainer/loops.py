@@ -23,6 +23,7 @@ from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils.python_utils import pythonify_logs
 
 from keras_strategies.backend import engine
+from keras_strategies.backend.common import keras_compat
 from keras_strategies.input import worker_sharding
 from keras_strategies.input.keras_input import keras_input
 from keras_strategies.keras_integration import chief_only
@@ -81,7 +82,7 @@ class _LoopIterator(EpochIterator):
         self._batches = engine.trainer.epoch_batches(self.data_adapter) if backend_batches else None
 
     def _get_iterator(self) -> Any:
-        return self._batches() if self._batches is not None else super()._get_iterator()
+        return engine.trainer.as_keras_reads(self._batches() if self._batches is not None else super()._get_iterator())
 
     def build_model(self, model: Any, kind: str = "train") -> None:
         """Builds the model as the backend's own loop would: from a spec (TensorFlow) or the first batch."""
@@ -346,7 +347,8 @@ def train_on_batch(model, strategy, x, y=None, sample_weight=None, class_weight=
     _require_rows(data, "train_on_batch")
     _symbolic_build(model, "train", data_batch=data)
     strategy.extended._sync_variables_from_chief()
-    model.reset_metrics()
+    if keras_compat.ON_BATCH_RESETS_METRICS:  # as Keras' own does
+        model.reset_metrics()
     logs = pythonify_logs(replica_step(model, strategy).train_step(data))
     return logs if return_dict else model._flatten_metrics_in_order(logs)
 
@@ -357,7 +359,8 @@ def test_on_batch(model, strategy, x, y=None, sample_weight=None, return_dict=Fa
     _require_rows(data, "test_on_batch")
     _symbolic_build(model, "test", data_batch=data)
     strategy.extended._sync_variables_from_chief()
-    model.reset_metrics()
+    if keras_compat.ON_BATCH_RESETS_METRICS:  # as Keras' own does
+        model.reset_metrics()
     logs = pythonify_logs(replica_step(model, strategy).test_step(data))
     return logs if return_dict else model._flatten_metrics_in_order(logs)
 

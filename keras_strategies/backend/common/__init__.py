@@ -4,4 +4,5 @@
 - `replica_variables`: what replicas write to variables, and how writes are combined.
 - `keras_state`: Keras' thread-local settings carried into replica threads.
 - `partition`, `packing`: how lists of tensors are split and laid out for collectives.
+- `keras_compat`: what differs between the supported Keras releases.
 """

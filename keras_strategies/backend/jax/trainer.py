@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
+import jax
+
+from keras_strategies.backend.common import keras_compat
 from keras_strategies.backend.jax.devices import copy_to
 
 # The step returns new states, combined by `CustomStep._combine_states`.
@@ -49,6 +52,20 @@ def call_step(model: Any, kind: str, data: Any, device: str) -> tuple[Any, Any]:
 def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     """The training batches Keras' own JAX trainer reads: NumPy's order (`fit(shuffle=True)` shuffles with NumPy's seed)."""
     return data_adapter.get_numpy_iterator
+
+
+def as_keras_reads(batches: Iterable) -> Iterable:
+    """The batches as Keras' own JAX trainer reads them: one batch ahead where it does (`keras_compat`)."""
+    if not keras_compat.jax_reads_one_batch_ahead(jax.default_backend()):
+        yield from batches
+        return
+    held, empty = None, True
+    for batch in batches:  # Keras' `JAXEpochIterator._one_batch_ahead_iterator`, without the device copy
+        if not empty:
+            yield held
+        held, empty = batch, False
+    if not empty:
+        yield held
 
 
 def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) -> Optional[Any]:

@@ -34,6 +34,11 @@ def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     return lambda: dataset
 
 
+def as_keras_reads(batches: Iterable) -> Iterable:
+    """The batches as Keras' own TensorFlow trainer reads them: as they come."""
+    return batches
+
+
 def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) -> Optional[Any]:
     """What to build the model from before a loop: a `tf.data` pipeline's `element_spec`, without reading a batch.
 

@@ -32,6 +32,11 @@ def epoch_batches(data_adapter: Any) -> Callable[[], Iterable]:
     return data_adapter.get_torch_dataloader
 
 
+def as_keras_reads(batches: Iterable) -> Iterable:
+    """The batches as Keras' own PyTorch trainer reads them: as they come."""
+    return batches
+
+
 def build_batch(data_adapter: Any, batches: Optional[Callable[[], Iterable]]) -> Optional[Any]:
     """None: Keras' own PyTorch trainer reads the first batch to build the model before `fit`, and so do we."""
     return None
