@@ -13,7 +13,7 @@ KERAS_MIN_STAMP := $(KERAS_MIN_VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements-dev.txt pyproject.toml
+$(STAMP): requirements-dev.txt requirements-docs.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt

@@ -74,7 +74,7 @@ def _pins(path: Path) -> dict:
     pins = {}
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if line:
+        if line and not line.startswith("-"):  # `-r requirements-docs.txt`: tools, not the tested set
             name = re.split(r"[<>=!~ \[]", line, maxsplit=1)[0].lower()
             pins[name] = line
     return pins
