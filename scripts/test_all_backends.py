@@ -6,24 +6,19 @@ any backend fails. `KS_TEST_BACKENDS=jax,torch` limits the backends.
 `KS_TEST_KERAS_MIN_PYTHON` names a Python whose Keras is the lowest supported
 release (`make test` builds it from requirements-keras-min.txt): the JAX suite
 then runs a fourth time, on that Python, as the run `jax-keras-min`. The other
-runs use this script's Python, which has the newest supported Keras. Beside
-other runs, `jax-keras-min` skips the tests that start processes
-(`KS_TEST_IN_PROCESS_ONLY`): those take turns through one lock (below), so each
-run's share adds to the wall time in full, and the `jax` run already runs them
-with the newest Keras. Alone (`KS_TEST_BACKENDS=jax-keras-min`, as in
-`make test-keras-min`) it runs them all.
+runs use this script's Python, which has the newest supported Keras.
 
 Most tests keep one core busy, so the backends run side by side
-(`KS_TEST_JOBS` at a time, default all; `KS_TEST_JOBS=1` runs them one after
-the other). Tests that start processes (workers, the launcher, notebook
-kernels) take a lock file shared by the runs (`KS_TEST_PROCESS_LOCK`, see
-`tests/conftest.py`), so that two backends never run their multi-process
-tests at once: those have timeouts that must not depend on the other runs'
-load. On the project's 2-core machine the same tests took 17.4 min one backend at
-a time, 14.9 min two at a time and 13.4 min all three at once. Each output
-line carries its backend. With `jax-keras-min` beside the three, `make test`
-took 28.9 min; running its process tests too, 35.8 min (the JAX suite alone
-on the lowest Keras: 16.3 min).
+(`KS_TEST_JOBS` at a time, default all; `KS_TEST_JOBS=1` runs everything one
+after the other). The tests that start processes (workers, the launcher,
+notebook kernels; `tests/conftest.py` lists them) have timeouts that must not
+depend on another backend's processes, so each backend runs as two pytest
+runs (`KS_TEST_SELECT`): its other tests beside the other backends', and its
+process tests in one lane that takes the backends in turn. A backend waiting
+for the lane thus keeps its other tests going. Beside other runs,
+`jax-keras-min` runs only the tests that start no process (the `jax` run runs
+those with the newest Keras); alone (`KS_TEST_BACKENDS=jax-keras-min`, as in
+`make test-keras-min`) it runs them all.
 """
 
 from __future__ import annotations
@@ -43,10 +38,11 @@ KERAS_MIN_RUN = "jax-keras-min"  # the JAX suite on the lowest supported Keras
 START_ORDER = ("jax", KERAS_MIN_RUN, "tensorflow", "torch")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
 _print_lock = threading.Lock()
+_LABELS = {"all": "all tests", "in-process": "tests without processes", "processes": "tests that start processes"}
 
 
-def run_backend(backend: str, pytest_args: list[str], directory: str, alone: bool) -> tuple[int, dict, float]:
-    """Runs one backend (or `jax-keras-min`); returns (exit code, counts, seconds).
+def run_part(backend: str, select: str, pytest_args: list[str], directory: str) -> tuple[int, dict, float]:
+    """Runs one backend's (or `jax-keras-min`'s) tests of `select`; returns (exit code, counts, seconds).
 
     `directory` holds what the runs share: the lock of the tests that start
     processes and, for the two JAX runs, one persistent compilation cache
@@ -59,14 +55,15 @@ def run_backend(backend: str, pytest_args: list[str], directory: str, alone: boo
         python = os.environ["KS_TEST_KERAS_MIN_PYTHON"]
     env = dict(os.environ, KERAS_BACKEND=backend.split("-")[0],
                KS_TEST_PROCESS_LOCK=os.path.join(directory, "processes.lock"))
-    if backend == KERAS_MIN_RUN and not alone:
-        env["KS_TEST_IN_PROCESS_ONLY"] = "1"
+    env["KS_TEST_SELECT"] = select
     if env["KERAS_BACKEND"] == "jax" and "JAX_COMPILATION_CACHE_DIR" not in env:
         env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(directory, "jax-cache"),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    tag = f"{backend} processes" if select == "processes" else backend
     started = time.monotonic()
     with _print_lock:
-        print(f"\n===== {backend}: KERAS_BACKEND={env['KERAS_BACKEND']} on {python} =====", flush=True)
+        print(f"\n===== {backend} ({_LABELS[select]}): KERAS_BACKEND={env['KERAS_BACKEND']} on {python} =====",
+              flush=True)
     process = subprocess.Popen(
         [python, "-m", "pytest", "-q", *pytest_args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -74,38 +71,74 @@ def run_backend(backend: str, pytest_args: list[str], directory: str, alone: boo
     last = ""
     for line in process.stdout:
         with _print_lock:
-            print(f"[{backend}] {line}", end="", flush=True)
+            print(f"[{tag}] {line}", end="", flush=True)
         if line.strip():
             last = line
     code = process.wait()
     counts = {kind.rstrip("s"): int(n) for n, kind in _COUNT.findall(last)}
     with _print_lock:
-        print(f"===== {backend} done in {time.monotonic() - started:.0f}s =====", flush=True)
+        print(f"===== {backend} ({_LABELS[select]}) done in {time.monotonic() - started:.0f}s =====", flush=True)
     return code, counts, time.monotonic() - started
 
 
+def _parts(backends: list[str]) -> tuple[list, list]:
+    """(the runs side by side, the process lane): (backend, KS_TEST_SELECT) pairs, longest first."""
+    if len(backends) == 1:
+        return [(backends[0], "all")], []
+    ordered = sorted(backends, key=START_ORDER.index)
+    side_by_side = [(b, "in-process") for b in ordered]
+    lane = [(b, "processes") for b in ordered if b != KERAS_MIN_RUN]
+    return side_by_side, lane
+
+
+def _combine(parts: list) -> tuple[int, dict, float]:
+    """One backend's result from its parts; "no tests collected" (exit 5) in one part is fine."""
+    codes = [code for code, _, _ in parts]
+    counts: dict = {}
+    for _, part_counts, _ in parts:
+        for kind, n in part_counts.items():
+            counts[kind] = counts.get(kind, 0) + n
+    failing = [c for c in codes if c not in (0, 5)]
+    code = failing[0] if failing else (5 if all(c == 5 for c in codes) else 0)
+    return code, counts, sum(seconds for _, _, seconds in parts)
+
+
 def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
-    """Runs the backends, `jobs` at a time; returns {backend: (exit code, counts, seconds)}."""
+    """Runs the backends, `jobs` pytest runs at a time; returns {backend: (exit code, counts, seconds)}.
+
+    With several backends, the process tests run in one lane (one thread taking them in turn)
+    besides the `jobs` threads; `KS_TEST_JOBS=1` runs everything in one thread.
+    """
+    side_by_side, lane = _parts(backends)
     pending: queue.Queue = queue.Queue()
-    for backend in sorted(backends, key=START_ORDER.index):
-        pending.put(backend)
-    results: dict = {}
+    for part in side_by_side + (lane if jobs == 1 else []):
+        pending.put(part)
+    results: dict = {b: [] for b in backends}
     with tempfile.TemporaryDirectory(prefix="ks-tests-") as directory:
+
+        def run(part: tuple) -> None:
+            results[part[0]].append(run_part(*part, pytest_args, directory))
 
         def worker() -> None:
             while True:
                 try:
-                    backend = pending.get_nowait()
+                    part = pending.get_nowait()
                 except queue.Empty:
                     return
-                results[backend] = run_backend(backend, pytest_args, directory, alone=len(backends) == 1)
+                run(part)
 
-        threads = [threading.Thread(target=worker) for _ in range(max(1, min(jobs, len(backends))))]
+        def process_lane() -> None:
+            for part in lane:
+                run(part)
+
+        threads = [threading.Thread(target=worker) for _ in range(max(1, min(jobs, len(side_by_side))))]
+        if jobs > 1 and lane:
+            threads.append(threading.Thread(target=process_lane))
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-    return {b: results[b] for b in backends}
+    return {b: _combine(results[b]) for b in backends}
 
 
 def main() -> int:
@@ -138,9 +171,9 @@ def main() -> int:
         total_failed += failed
         status = "ok" if code == 0 else f"FAILED (exit {code})"
         print(f"{backend:>13}: {counts.get('passed', 0)} passed, {failed} failed, "
-              f"{counts.get('skipped', 0)} skipped in {seconds:.0f}s  {status}")
+              f"{counts.get('skipped', 0)} skipped in {seconds:.0f}s of pytest runs  {status}")
     print(f"total: {total_passed} passed, {total_failed} failed in {time.monotonic() - started:.0f}s "
-          f"({min(jobs, len(backends))} backend(s) at a time)")
+          f"({min(jobs, len(backends))} backend(s) at a time, process tests in one lane)")
     return 0 if all(code == 0 for code, _, _ in results.values()) else 1
 
 

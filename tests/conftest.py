@@ -3,8 +3,8 @@
 The backend comes from KERAS_BACKEND (set by `make test`). Every test process
 gets 4 virtual CPU devices before the backend initialises, so tests can use
 1 to 4 replicas through device subsets. On JAX, the run shares a persistent
-compilation cache (below). `scripts/test_all_backends.py` runs two backends
-at once; their tests that start processes take turns (below).
+compilation cache (below). `scripts/test_all_backends.py` runs the backends
+side by side; their tests that start processes take turns (below).
 """
 
 import atexit
@@ -57,9 +57,10 @@ def _fresh_keras_state():
     yield
 
 
-# Tests that start processes (workers, the launcher, notebook kernels) or time a watchdog. When
-# `scripts/test_all_backends.py` runs two backends at once it names a lock file shared by both
-# runs: these tests hold it, so that their timeouts never depend on the other run's processes.
+# Tests that start processes (workers, the launcher, notebook kernels) or time a watchdog.
+# `scripts/test_all_backends.py` runs them one backend after the other (KS_TEST_SELECT, below);
+# when two runs of it overlap, they name a shared lock file that these tests hold, so that their
+# timeouts never depend on another run's processes.
 _PROCESS_TESTS = (
     "tests/multi_worker/test_multi_worker_",
     "tests/test_launch.py::",
@@ -70,13 +71,21 @@ _PROCESS_TESTS = (
 
 
 def pytest_collection_modifyitems(config, items):
-    """`KS_TEST_IN_PROCESS_ONLY=1` skips the tests above (`scripts/test_all_backends.py` sets it for one run)."""
-    if os.environ.get("KS_TEST_IN_PROCESS_ONLY") != "1":
+    """`KS_TEST_SELECT=in-process` keeps the tests that start no process, `processes` the others.
+
+    `scripts/test_all_backends.py` runs each backend as two pytest runs: its tests that start no
+    process beside the other backends', and its process tests in one lane shared by the backends.
+    """
+    select = os.environ.get("KS_TEST_SELECT", "all")
+    if select not in ("all", "in-process", "processes"):
+        raise pytest.UsageError(f"KS_TEST_SELECT must be all, in-process or processes; got {select!r}.")
+    if select == "all":
         return
-    skip = pytest.mark.skip(reason="starts processes; KS_TEST_IN_PROCESS_ONLY=1 runs only the tests that start none")
+    keep, drop = [], []
     for item in items:
-        if item.nodeid.startswith(_PROCESS_TESTS):
-            item.add_marker(skip)
+        (keep if item.nodeid.startswith(_PROCESS_TESTS) == (select == "processes") else drop).append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
 
 
 @pytest.hookimpl(hookwrapper=True)
