@@ -29,6 +29,8 @@ import numbers
 import operator
 from typing import Any, Sequence
 
+import numpy as np
+
 __all__ = ["FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Partitioner"]
 
 # Bytes per element, by dtype name (TensorFlow's `DType.size`); strings use `bytes_per_string`.
@@ -278,8 +280,6 @@ def _element_bytes(dtype: Any, bytes_per_string: int) -> int:
     if name in _ELEMENT_BYTES:
         return _ELEMENT_BYTES[name]
     try:
-        import numpy as np
-
         return int(np.dtype(name).itemsize)
     except TypeError:
         pass
