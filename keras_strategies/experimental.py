@@ -6,7 +6,9 @@ tf.distribute.experimental.CommunicationImplementation.RING)`; with
 `s/tf.distribute/ks/` that must keep working. The names TensorFlow keeps here
 for compatibility (`CollectiveCommunication`, the experimental
 `MultiWorkerMirroredStrategy`) are the same objects as the stable ones, as in
-TensorFlow. Strategies and tools this package does not provide raise an
+TensorFlow. `ks.experimental.partitioners` holds the variable partitioners of
+ParameterServerStrategy (`import keras_strategies.experimental.partitioners`
+works too). Strategies and tools this package does not provide raise an
 `AttributeError` that says so.
 
 Examples:
@@ -20,7 +22,10 @@ Examples:
 
 from __future__ import annotations
 
+import sys as _sys
+
 from keras_strategies.distribute import missing_names as _missing
+from keras_strategies.distribute import partitioners
 from keras_strategies.input.options import ValueContext
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
@@ -34,6 +39,10 @@ __all__ = [
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
     "ValueContext",
+    "partitioners",
 ]
+
+# `import keras_strategies.experimental.partitioners` and `from ... import`, as with TensorFlow's module.
+_sys.modules.setdefault(f"{__name__}.partitioners", partitioners)
 
 __getattr__ = _missing.module_getattr("keras_strategies.experimental", "tf.distribute.experimental")

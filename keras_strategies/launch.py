@@ -3,6 +3,7 @@
     python -m keras_strategies.launch --workers 2 train.py --epochs 3
     python -m keras_strategies.launch --workers 3 --chief --backend jax -m my.module
     keras-strategies-launch --workers 2 --devices-per-worker 2 --timeout 600 train.py
+    python -m keras_strategies.launch --workers 3 --chief --ps 2 train.py
 
 Every worker is `python script.py args...` with its own `TF_CONFIG` (free
 ports on 127.0.0.1), so multi-worker strategies find their peers; output lines
@@ -10,6 +11,14 @@ are prefixed with the task (`[worker 0] ...`). The exit code is 0 when all
 workers succeed, else the first failing worker's code (128 + S when killed by
 signal S), 130/143 when the launcher is interrupted, 124 on `--timeout`; any
 failure stops all workers. From Python, call `launch(...)`.
+
+`--ps N` (with `--chief`) makes a parameter-server job: N more processes are
+`ps` tasks, and every task runs the same script, which reads its role from
+`TF_CONFIG` (training on the chief, `ks.Server(...).join()` on the worker and
+ps tasks, as in TensorFlow's parameter-server tutorial). The job ends when the
+chief ends; the worker and ps tasks are then stopped and the exit code is the
+chief's. A worker ending early is reported and the chief goes on with the
+others; a ps ending early, or the last worker, stops the job.
 
 This module and `keras_strategies.launcher` use only the standard library, and
 in the launcher process the package defers importing its API (and so Keras and
@@ -24,7 +33,7 @@ import sys
 from typing import Sequence
 
 from keras_strategies.launcher.tf_config import free_ports, tf_config_for
-from keras_strategies.launcher.supervisor import DEFAULT_GRACE, TIMEOUT_EXIT_CODE, launch
+from keras_strategies.launcher.supervisor import DEFAULT_GRACE, TIMEOUT_EXIT_CODE, check_roles, launch
 
 __all__ = [
     "TIMEOUT_EXIT_CODE",
@@ -39,7 +48,7 @@ __all__ = [
 BACKENDS = ("tensorflow", "jax", "torch")
 # Launcher options that take a value: the first other non-option token starts the command.
 _VALUE_OPTIONS = frozenset(
-    {"-n", "--workers", "--devices-per-worker", "--backend", "--timeout", "--grace"}
+    {"-n", "--workers", "--devices-per-worker", "--backend", "--timeout", "--grace", "--ps"}
 )
 
 
@@ -93,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         "module name is passed to it unchanged.",
         epilog="Exit code: 0 if all workers succeed; else the first failing worker's code "
         "(128+S if killed by signal S), 130/143 on SIGINT/SIGTERM, "
-        f"{TIMEOUT_EXIT_CODE} on timeout, 2 on bad arguments.",
+        f"{TIMEOUT_EXIT_CODE} on timeout, 2 on bad arguments. With --ps: the chief's code, "
+        "or that of a ps task (or the last worker) that ended before the chief.",
         allow_abbrev=False,
     )
     parser.add_argument("-n", "--workers", type=_positive_int, default=2, metavar="N",
@@ -104,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Keras backend of the workers (sets KERAS_BACKEND; default: inherited)")
     parser.add_argument("--chief", action="store_true",
                         help="make process 0 the chief (a 'chief' job) and the rest workers")
+    parser.add_argument("--ps", type=_positive_int, default=0, metavar="P",
+                        help="add P parameter-server ('ps') tasks, for ParameterServerStrategy; needs "
+                        "--chief and --workers 2 or more (which counts the chief). The job ends when "
+                        "the chief ends: the worker and ps tasks, which serve with ks.Server(...).join(), "
+                        "are then stopped")
     parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
                         help="stop all workers and fail if the job is not done by then")
     parser.add_argument("--grace", type=_non_negative_float, default=DEFAULT_GRACE,
@@ -161,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     options, command = split_command(sys.argv[1:] if argv is None else argv)
     try:
         ns = parser.parse_args(options)
+        try:
+            check_roles(ns.workers, ns.chief, ns.ps)
+        except ValueError as error:
+            parser.error(str(error))
         if not command:
             parser.error("missing the script to run: give script.py [args ...] or -m module [args ...]")
         module = command[0] == "-m"
@@ -185,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=ns.timeout,
             module=module,
             grace=ns.grace,
+            ps=ns.ps,
         )
     except (OSError, ValueError) as error:
         print(f"keras_strategies.launch: error: {error}", file=sys.stderr)

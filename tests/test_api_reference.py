@@ -28,6 +28,7 @@ REFERENCE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reference"
 MODULES = {
     "keras_strategies": ks,
     "keras_strategies.experimental": ks.experimental,
+    "keras_strategies.experimental.partitioners": ks.experimental.partitioners,
     "keras_strategies.cluster_resolver": ks.cluster_resolver,
     "keras_strategies.launch": launch_module,
 }

@@ -51,15 +51,35 @@ WORKER = textwrap.dedent(
                 sys.exit("peer files never appeared: %s" % files)
             time.sleep(0.02)
 
+    def wait_gone(files):  # until the processes whose pids these files hold have exited
+        deadline = time.monotonic() + 20
+        wait_for(files)
+        for f in files:
+            with open(os.path.join(pid_dir, f)) as pid_file:
+                pid = int(pid_file.read())
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                if time.monotonic() > deadline:
+                    sys.exit("peer never exited: %s" % f)
+                time.sleep(0.02)
+
     note_pid("pid", os.getpid())
     do = step["do"]
-    if do == "report":
+    wait_for(step.get("wait_for", []))
+    wait_gone(step.get("wait_gone", []))
+    if do in ("report", "serve"):
         keys = ["KERAS_BACKEND", "KERAS_STRATEGIES_CPU_DEVICES", "PYTHONUNBUFFERED",
                 "KERAS_STRATEGIES_LAUNCHED", "EXTRA", "UNSET_ME"]
         print(json.dumps({"config": config, "argv": sys.argv[2:],
                           "env": {k: os.environ.get(k) for k in keys},
                           "pid": os.getpid(), "group": os.getpgid(0), "session": os.getsid(0)}))
-        print("a line on stderr", file=sys.stderr)
+        print("a line on stderr", file=sys.stderr, flush=True)
+        if do == "serve":  # a ps or worker task of a parameter-server job: serve until stopped
+            note_pid("ready", os.getpid())
+            time.sleep(60)
     elif do == "chatter":  # many lines, each written in pieces
         for i in range(step["lines"]):
             for piece in (f"line {i} ", "of ", name, "\n"):
@@ -75,11 +95,9 @@ WORKER = textwrap.dedent(
         print("sleeping", flush=True)
         time.sleep(60)
     elif do == "exit":
-        wait_for(step.get("wait_for", []))
         print("failing on purpose", file=sys.stderr, flush=True)
         sys.exit(step["code"])
     elif do == "kill_self":
-        wait_for(step.get("wait_for", []))
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(step.get("code", 0))
     '''
@@ -87,7 +105,7 @@ WORKER = textwrap.dedent(
 
 
 
-LINE = re.compile(r"^\[(worker|chief) (\d+)\] (.*)$")
+LINE = re.compile(r"^\[(worker|chief|ps) (\d+)\] (.*)$")
 
 
 def _running(pid):
@@ -480,3 +498,124 @@ def test_main_runs_a_module_with_m(job, tmp_path, monkeypatch, capsys):
     reports = {task: json.loads(lines[0]) for task, lines in _by_task(captured.out).items()}
     assert sorted(reports) == ["chief 0", "worker 0"]
     assert all(r["argv"] == ["extra"] and r["env"]["KERAS_BACKEND"] == "torch" for r in reports.values())
+
+
+# --- parameter-server jobs (--ps) ------------------------------------------------------------------
+
+
+def test_tf_config_for_a_parameter_server_cluster():
+    addresses = [5000, 5001, 5002, 5003, 5004]
+    cluster = {"chief": ["127.0.0.1:5000"], "worker": ["127.0.0.1:5001", "127.0.0.1:5002"],
+               "ps": ["127.0.0.1:5003", "127.0.0.1:5004"]}
+    tasks = [tf_config_for(i, addresses, chief=True, ps=2) for i in range(5)]
+    assert all(config["cluster"] == cluster for config in tasks)
+    assert list(tasks[0]["cluster"]) == ["chief", "worker", "ps"]
+    assert [config["task"] for config in tasks] == [
+        {"type": "chief", "index": 0}, {"type": "worker", "index": 0}, {"type": "worker", "index": 1},
+        {"type": "ps", "index": 0}, {"type": "ps", "index": 1}]
+    assert tf_config_for(2, [1, 2, 3], ps=1) == {  # no chief: workers and ps
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
+        "task": {"type": "ps", "index": 0}}
+    with pytest.raises(ValueError, match="ps tasks must be an int >= 0, got -1"):
+        tf_config_for(0, addresses, ps=-1)
+    with pytest.raises(ValueError, match="2 ps task.s. needs at least one chief or worker address besides them"):
+        tf_config_for(0, [1, 2], ps=2)
+
+
+def _ps_plan(chief, **others):
+    """Every task serves (reports its TF_CONFIG, then blocks until stopped) unless given another step."""
+    return {"chief 0": chief, "*": {"do": "serve"}, **{k.replace("_", " "): v for k, v in others.items()}}
+
+
+def test_a_ps_job_gives_every_role_its_tf_config_and_ends_when_the_chief_ends(job):
+    serving = ["worker-0.ready", "worker-1.ready", "ps-0.ready", "ps-1.ready"]
+    code, out, err, elapsed = _run(job, _ps_plan({"do": "report", "wait_for": serving}), workers=3, chief=True,
+                                   ps=2, backend="jax")
+    assert code == 0, err
+    reports = {task: json.loads(lines[0]) for task, lines in _by_task(out).items()}
+    assert sorted(reports) == ["chief 0", "ps 0", "ps 1", "worker 0", "worker 1"]
+    cluster = reports["chief 0"]["config"]["cluster"]
+    assert list(cluster) == ["chief", "worker", "ps"]
+    assert [len(cluster[job_name]) for job_name in cluster] == [1, 2, 2]
+    addresses = [a for job_name in cluster for a in cluster[job_name]]
+    assert len(set(addresses)) == 5 and all(a.startswith("127.0.0.1:") for a in addresses)
+    for task, report in reports.items():
+        kind, index = task.split()
+        assert report["config"] == {"cluster": cluster, "task": {"type": kind, "index": int(index)}}
+        assert report["env"]["KERAS_BACKEND"] == "jax" and report["argv"] == []
+    # The serving tasks were stopped when the chief ended, quietly: no message, no error.
+    assert not [line for line in err.splitlines() if line.startswith("keras_strategies.launch")], err
+    assert elapsed < 10
+    _assert_all_gone(job)
+
+
+def test_a_ps_job_fails_with_the_chief_s_exit_code(job):
+    plan = _ps_plan({"do": "exit", "code": 3, "wait_for": ["worker-0.ready", "ps-0.ready"]})
+    code, _, err, _ = _run(job, plan, workers=2, chief=True, ps=1)
+    assert code == 3
+    assert "keras_strategies.launch: chief 0 exited with code 3; stopping the other 2 task(s)." in err.splitlines()
+    _assert_all_gone(job)
+
+
+def test_a_ps_that_ends_before_the_chief_stops_the_job(job):
+    plan = _ps_plan({"do": "sleep"}, ps_0={"do": "kill_self", "wait_for": ["chief-0.ready", "worker-0.ready"]})
+    code, _, err, _ = _run(job, plan, workers=2, chief=True, ps=1)
+    assert code == 128 + signal.SIGKILL
+    assert ("keras_strategies.launch: ps 0 was killed by SIGKILL (exit code 137) before the chief finished; "
+            "the chief cannot go on without its parameter servers: stopping all tasks.") in err.splitlines()
+    _assert_all_gone(job)
+
+
+def test_a_worker_that_ends_early_is_reported_and_the_chief_goes_on(job):
+    plan = _ps_plan({"do": "report", "wait_gone": ["worker-1.pid"], "wait_for": ["worker-0.ready", "ps-0.ready"]},
+                    worker_1={"do": "exit", "code": 1})
+    code, out, err, _ = _run(job, plan, workers=3, chief=True, ps=1)
+    assert code == 0, err
+    assert ("keras_strategies.launch: worker 1 exited with code 1 before the chief finished; "
+            "the chief goes on with the other 1 worker task(s).") in err.splitlines()
+    assert "chief 0" in _by_task(out)
+    _assert_all_gone(job)
+
+
+def test_the_last_worker_ending_stops_the_job_and_says_to_serve(job):
+    plan = _ps_plan({"do": "sleep"}, worker_0={"do": "exit", "code": 0, "wait_for": ["chief-0.ready"]})
+    code, _, err, _ = _run(job, plan, workers=2, chief=True, ps=1)
+    assert code == 1
+    assert ("keras_strategies.launch: worker 0 exited with code 0 before the chief finished (worker and ps tasks "
+            "must serve until the chief ends: ks.Server(...).join()), and no worker task is left: stopping all "
+            "tasks.") in err.splitlines()
+    _assert_all_gone(job)
+
+
+def test_a_ps_job_times_out_like_any_other(job):
+    code, _, err, elapsed = _run(job, _ps_plan({"do": "sleep"}), workers=2, chief=True, ps=1, timeout=1)
+    assert code == launch_module.TIMEOUT_EXIT_CODE
+    assert "timed out after 1 s with 3 of 3 task(s) still running; stopping all tasks." in err
+    assert elapsed < 8
+    _assert_all_gone(job)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ps", "1", "{script}"], "--ps 1 needs --chief (chief=True): a parameter-server job is driven by its chief"),
+    (["--ps", "0", "--chief", "{script}"], "--ps: must be an integer >= 1, got '0'"),
+    (["--ps", "x", "--chief", "{script}"], "--ps: must be an integer >= 1, got 'x'"),
+    (["--ps", "2", "--chief", "--workers", "1", "{script}"],
+     "needs at least one worker task besides the chief, but --workers 1 counts the chief: use --workers 2 or more"),
+])
+def test_bad_ps_arguments_exit_2_and_say_what_to_do(job, capsys, argv, message):
+    assert main([a.format(script=job.path) for a in argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not job.recorded_pids()
+
+
+def test_launch_api_rejects_bad_ps_values(job):
+    for kwargs, message in [(dict(ps=1), "needs --chief"), (dict(ps=-1, chief=True), "`ps` must be an int >= 0"),
+                            (dict(ps=True, chief=True), "got True"), (dict(ps=1, chief=True, workers=1), "--workers 2")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            launch(job.path, **kwargs)
+    assert not job.recorded_pids()
+
+
+def test_split_command_knows_that_ps_takes_a_value():
+    assert split_command(["--ps", "2", "--chief", "train.py", "--ps", "3"]) == (
+        ["--ps", "2", "--chief"], ["train.py", "--ps", "3"])

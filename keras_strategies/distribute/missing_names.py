@@ -18,7 +18,6 @@ NOT_PROVIDED = {
     "PreemptionWatcher": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "TerminationConfig": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "CollectiveHints": "TF's deprecated collective hints (use ks.CommunicationOptions)",
-    "partitioners": "variable partitioning (ParameterServerStrategy)",
     "rpc": "TF's experimental RPC",
 }
 

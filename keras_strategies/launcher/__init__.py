@@ -6,5 +6,6 @@ same whatever backend the workers use:
 - `cluster`: free loopback ports and the per-worker `TF_CONFIG`.
 - `processes`: one worker process group with line-prefixed output.
 - `supervisor`: runs all workers, stops them all on the first failure, a
-  signal or a timeout, and picks the exit code.
+  signal or a timeout, and picks the exit code (in a parameter-server job,
+  `--ps`, the chief's exit ends the job).
 """

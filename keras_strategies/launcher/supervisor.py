@@ -4,6 +4,13 @@ The job fails fast: the first worker to fail, a SIGINT/SIGTERM/SIGHUP to the
 launcher, or the timeout stops every worker (and everything they started),
 because a multi-worker job with a missing peer would otherwise hang forever in
 its next collective.
+
+A parameter-server job (`ps > 0`) is driven by its chief: the worker and ps
+tasks serve (`ks.Server(...).join()`) until the chief, which runs the training,
+exits; then they are stopped and the chief's exit code is the job's. A worker
+that ends early is reported and the chief goes on with the others (the
+coordinator gives its work to them); a ps that ends early, or the last worker,
+stops the job, since the chief cannot finish without them.
 """
 
 from __future__ import annotations
@@ -90,21 +97,72 @@ class _SignalCatcher:
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
+def check_roles(workers: int, chief: bool, ps: int) -> None:
+    """Raises ValueError unless `ps` parameter servers fit the job: they need a chief and a worker.
+
+    `workers` counts the chief: `workers=3, chief=True, ps=2` is chief 0,
+    worker 0, worker 1, ps 0 and ps 1.
+    """
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
+        raise ValueError(f"`ps` must be an int >= 0, got {ps!r}.")
+    if not ps:
+        return
+    if not chief:
+        raise ValueError(
+            f"--ps {ps} needs --chief (chief=True): a parameter-server job is driven by its chief, "
+            "the coordinator that runs the training."
+        )
+    if workers < 2:
+        raise ValueError(
+            "A parameter-server job needs at least one worker task besides the chief, but "
+            f"--workers {workers} counts the chief: use --workers 2 or more."
+        )
+
+
+def _ps_job_outcome(task: WorkerProcess, returncode: int, running: Sequence[WorkerProcess],
+                    message: Callable[[str], None]) -> int | None:
+    """The exit code once `task` has ended in a parameter-server job, or None while the job goes on."""
+    kind = task.name.split()[0]
+    if kind == "chief":
+        if returncode != 0:
+            others = f"stopping the other {len(running)} task(s)." if running else "stopping."
+            message(f"{task.name} {describe_exit(returncode)}; {others}")
+        return exit_code(returncode)
+    what = f"{task.name} {describe_exit(returncode)} before the chief finished"
+    if returncode == 0:
+        what += " (worker and ps tasks must serve until the chief ends: ks.Server(...).join())"
+    workers_left = sum(1 for other in running if other.name.split()[0] == "worker")
+    if kind == "ps":
+        message(f"{what}; the chief cannot go on without its parameter servers: stopping all tasks.")
+    elif not workers_left:
+        message(f"{what}, and no worker task is left: stopping all tasks.")
+    else:
+        message(f"{what}; the chief goes on with the other {workers_left} worker task(s).")
+        return None
+    return exit_code(returncode) or 1
+
+
 def _supervise(
     workers: Sequence[WorkerProcess],
     events: "queue.SimpleQueue[tuple]",
     timeout: float | None,
     message: Callable[[str], None],
+    chief_ends_job: bool = False,
 ) -> int:
-    """Waits for the job's outcome and returns its exit code; leaves stopping to the caller."""
+    """Waits for the job's outcome and returns its exit code; leaves stopping to the caller.
+
+    With `chief_ends_job` (a parameter-server job) the outcome is the chief's
+    exit, or the loss of a task the chief cannot do without.
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
-    pending = len(workers)
-    while pending:
+    running = list(workers)
+    noun = "task(s)" if chief_ends_job else "worker(s)"
+    while running:
         wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
         if wait <= 0:
             message(
-                f"timed out after {timeout:g} s with {pending} of {len(workers)} worker(s) "
-                "still running; stopping all workers."
+                f"timed out after {timeout:g} s with {len(running)} of {len(workers)} {noun} "
+                f"still running; stopping all {noun[:-3]}s."
             )
             return TIMEOUT_EXIT_CODE
         try:
@@ -113,11 +171,15 @@ def _supervise(
             continue
         if kind == "signal":
             name = signal.Signals(value).name
-            message(f"received {name}; stopping all workers.")
+            message(f"received {name}; stopping all {noun[:-3]}s.")
             return 128 + value
-        pending -= 1
-        if value != 0:
-            others = f"stopping the other {pending} worker(s)." if pending else "stopping."
+        running.remove(worker)
+        if chief_ends_job:
+            outcome = _ps_job_outcome(worker, value, running, message)
+            if outcome is not None:
+                return outcome
+        elif value != 0:
+            others = f"stopping the other {len(running)} worker(s)." if running else "stopping."
             message(f"{worker.name} {describe_exit(value)}; {others}")
             return exit_code(value)
     return 0
@@ -137,6 +199,7 @@ def launch(
     *,
     module: bool = False,
     grace: float = DEFAULT_GRACE,
+    ps: int = 0,
 ) -> int:
     """Runs `python script args...` as `workers` local processes of one multi-worker job.
 
@@ -144,6 +207,15 @@ def launch(
     its own `TF_CONFIG` (free ports on 127.0.0.1), so that
     `ks.MultiWorkerMirroredStrategy()` finds its peers. Any failure stops
     the whole job, since the other workers would wait forever for a missing peer.
+
+    With `ps=N` (and `chief=True`) it is a parameter-server job: N more
+    processes are `"ps"` tasks, and every task runs the same script, which
+    picks its role from `TF_CONFIG` (training on the chief,
+    `ks.Server(...).join()` on workers and parameter servers). The job ends
+    when the chief ends: then the worker and ps tasks are stopped, and the
+    chief's exit code is the job's. A worker that exits early is reported and
+    the chief goes on with the other workers; a ps that exits early, or the
+    last worker, stops the job with that task's exit code (1 if it was 0).
 
     Args:
         script: The script's path, or a module name with `module=True`.
@@ -159,18 +231,24 @@ def launch(
         stderr: The same for their error output; default `sys.stderr`.
         module: Run `python -m script`.
         grace: Seconds between SIGTERM and SIGKILL when stopping workers.
+        ps: The number of parameter-server (`"ps"`) tasks, started after the
+            chief and the workers; needs `chief=True` and `workers >= 2`
+            (`workers` counts the chief).
 
     Returns:
         0 when every worker exits 0; else the exit code of the first worker to
         fail (128 + S if killed by signal S), 128 + S when the launcher gets
-        signal S (130 for Ctrl-C), or 124 on timeout. In every case all workers
-        and their children are stopped first.
+        signal S (130 for Ctrl-C), or 124 on timeout. With `ps`, the chief's
+        exit code, or that of a task the chief could not do without. In every
+        case all workers and their children are stopped first.
 
     Examples:
         ```python
         from keras_strategies.launch import launch
 
         exit_code = launch("train.py", ["--epochs", "3"], workers=2, backend="jax", timeout=600)
+        # A parameter-server job: chief 0, worker 0, worker 1, ps 0, ps 1.
+        exit_code = launch("train.py", workers=3, chief=True, ps=2, timeout=600)
         ```
     """
     if not isinstance(script, str) or not script:
@@ -186,6 +264,7 @@ def launch(
         _check_positive("timeout", timeout, integer=False)
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
         raise ValueError(f"`grace` must be a number >= 0, got {grace!r}.")
+    check_roles(workers, chief, ps)
 
     command = [sys.executable, *(["-m"] if module else []), script, *map(str, args)]
     lock = threading.Lock()
@@ -196,12 +275,12 @@ def launch(
         err.write_line(MESSAGE_PREFIX + text)
 
     events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-    ports = free_ports(workers)
+    ports = free_ports(workers + ps)
     started: list[WorkerProcess] = []
     with _SignalCatcher(events) as catcher:
         try:
-            for index in range(workers):
-                config = tf_config_for(index, ports, chief=chief)
+            for index in range(workers + ps):
+                config = tf_config_for(index, ports, chief=chief, ps=ps)
                 started.append(
                     WorkerProcess(
                         task_name(config["task"]),
@@ -212,7 +291,7 @@ def launch(
                         on_exit=lambda worker, rc: events.put(("exit", worker, rc)),
                     )
                 )
-            return _supervise(started, events, timeout, message)
+            return _supervise(started, events, timeout, message, chief_ends_job=ps > 0)
         finally:
             signals_before = len(catcher.received)
             stop_all(started, grace, hurry=lambda: len(catcher.received) > signals_before)

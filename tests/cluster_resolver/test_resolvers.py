@@ -10,6 +10,7 @@ from keras_strategies.cluster_resolver import (
     ClusterSpec,
     SimpleClusterResolver,
     TFConfigClusterResolver,
+    roles,
 )
 
 
@@ -259,3 +260,18 @@ if os.environ.get("KERAS_BACKEND") == "tensorflow":
             assert ours.master(*args) == theirs.master(*args)
         assert ours.environment == theirs.environment
         assert ours.num_accelerators() == theirs.num_accelerators()
+
+
+def test_a_ps_task_of_a_parameter_server_cluster(monkeypatch):
+    cluster = {"chief": ["c:2222"], "worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222", "p1:2222"]}
+    _set(monkeypatch, {"cluster": cluster, "task": {"type": "ps", "index": 1}, "rpc_layer": "grpc"})
+    resolver = TFConfigClusterResolver()
+    assert (resolver.task_type, resolver.task_id) == ("ps", 1)
+    assert resolver.cluster_spec().as_dict() == cluster
+    assert resolver.cluster_spec().jobs == ["chief", "worker", "ps"]
+    assert resolver.cluster_spec().job_tasks("ps") == ["p0:2222", "p1:2222"]
+    assert resolver.master() == "grpc://p1:2222"
+    assert resolver.master("chief", 0) == "grpc://c:2222"
+    resolver.task_id = 2
+    with pytest.raises(ValueError, match="^The `task_id` 2 exceeds the maximum id of ps.$"):
+        roles.validate_parameter_server_config(resolver.cluster_spec(), resolver.task_type, resolver.task_id)

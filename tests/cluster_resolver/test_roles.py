@@ -1,12 +1,14 @@
 """Role rules and validation errors match TF's `multi_worker_util` and strategies."""
 
+import json
 import os
 import re
 
 import pytest
 
-from keras_strategies.cluster_resolver import ClusterSpec
+from keras_strategies.cluster_resolver import ClusterSpec, TFConfigClusterResolver
 from keras_strategies.cluster_resolver import roles
+from keras_strategies.launch import tf_config_for
 
 
 ALLOWED = "('chief', 'worker', 'evaluator', 'ps', None)"
@@ -191,3 +193,79 @@ if os.environ.get("KERAS_BACKEND") == "tensorflow":
             assert _outcome(ours, *args) == _outcome(theirs, *args), ours.__name__
         if "foo" not in cluster and "evaluator" not in cluster or "ps" in cluster:
             assert roles.coordination_leader(cluster) == mwu.coordination_leader(cluster)
+
+
+# --- parameter-server clusters --------------------------------------------------------------------
+
+PS_CLUSTER = {"chief": ["c:1"], "worker": ["w0:1", "w1:1"], "ps": ["p0:1", "p1:1"]}
+
+# ParameterServerStrategy's refusals, in TF's order and with TF's texts.
+PS_ERROR_CASES = [
+    ("empty", ({}, None, None), "Cluster spec must be non-empty in `tf.distribute.cluster_resolver.ClusterResolver`."),
+    ("no ps", ({"chief": ["c:1"], "worker": ["w:1"]}, "chief", 0), "There must be at least one ps."),
+    ("no ps, worker task", ({"worker": ["w:1"]}, "worker", 0), "There must be at least one ps."),
+    ("no worker", ({"chief": ["c:1"], "ps": ["p:1"]}, "chief", 0), "There must be at least one worker."),
+    ("ps id too large", (PS_CLUSTER, "ps", 2), "The `task_id` 2 exceeds the maximum id of ps."),
+    ("worker id too large", (PS_CLUSTER, "worker", 2), "The `task_id` 2 exceeds the maximum id of worker."),
+    ("ps not in cluster", ({"chief": ["c:1"], "worker": ["w:1"]}, "ps", 0), "`task_type` 'ps' not found in cluster_spec."),
+    ("unknown role", (PS_CLUSTER, "coordinator", 0),
+     f"Unrecognized task_type: coordinator, valid task types are: {ALLOWED}"),
+    ("unknown job", ({**PS_CLUSTER, "param_server": ["x:1"]}, "chief", 0),
+     "Disallowed task type found in cluster spec. Allowed types are "
+     f"{ALLOWED} and the cluster spec is {ClusterSpec({**PS_CLUSTER, 'param_server': ['x:1']})}."),
+    ("two chiefs", ({**PS_CLUSTER, "chief": ["c:1", "c:2"]}, "chief", 0), "There must be at most one 'chief' job."),
+]
+
+
+@pytest.mark.parametrize("name, args, message", PS_ERROR_CASES, ids=[c[0] for c in PS_ERROR_CASES])
+def test_parameter_server_validation_errors_have_tf_texts(name, args, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        roles.validate_parameter_server_config(*args)
+
+
+@pytest.mark.parametrize("task_type, task_id", [("chief", 0), ("worker", 1), ("ps", 0), ("ps", 1), (None, None),
+                                                ("evaluator", 0)])
+def test_every_role_of_a_parameter_server_cluster_passes(task_type, task_id):
+    spec = roles.validate_parameter_server_config(PS_CLUSTER, task_type, task_id)
+    assert spec == ClusterSpec(PS_CLUSTER)
+    assert (spec.num_tasks("ps"), spec.num_tasks("worker")) == (2, 2)
+    assert roles.validate_parameter_server_config({"worker": ["w:1"], "ps": ["p:1"]}, "worker", 0)  # no chief
+
+
+def test_the_launcher_s_ps_layout_is_valid_for_every_role(monkeypatch):
+    seen = []
+    for index in range(5):
+        monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config_for(index, [1, 2, 3, 4, 5], chief=True, ps=2)))
+        resolver = TFConfigClusterResolver()
+        roles.validate_parameter_server_config(resolver.cluster_spec(), resolver.task_type, resolver.task_id)
+        seen.append((resolver.task_type, resolver.task_id, roles.is_chief(resolver.cluster_spec(), resolver.task_type,
+                                                                         resolver.task_id)))
+    assert seen == [("chief", 0, True), ("worker", 0, False), ("worker", 1, False), ("ps", 0, False), ("ps", 1, False)]
+
+
+if os.environ.get("KERAS_BACKEND") == "tensorflow":
+
+    PS_CROSS_CASES = [args for _, args, _ in PS_ERROR_CASES] + [
+        (PS_CLUSTER, "chief", 0), (PS_CLUSTER, "ps", 1), (PS_CLUSTER, "worker", 0), (PS_CLUSTER, "evaluator", 0),
+        ({"worker": ["w:1"], "ps": ["p:1"]}, "worker", 0), ({**PS_CLUSTER, "evaluator": ["e:1"]}, "evaluator", 0),
+    ]
+
+    @pytest.mark.parametrize("cluster, task_type, task_id", PS_CROSS_CASES)
+    def test_parameter_server_checks_match_tensorflow_s_strategy(cluster, task_type, task_id):
+        import tensorflow as tf
+        from tensorflow.python.distribute import parameter_server_strategy_v2 as pss
+
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id)
+
+        def outcome(fn):
+            try:
+                fn()
+                return "accepted"
+            except ValueError as err:
+                return str(err)
+
+        # The strategy's own checks (they use only the resolver), before it connects to the cluster.
+        theirs = outcome(lambda: pss.ParameterServerStrategyV2._verify_args_and_config(None, resolver))
+        ours = outcome(lambda: roles.validate_parameter_server_config(cluster, task_type, task_id))
+        assert ours == theirs
