@@ -20,10 +20,12 @@ Examples:
 
 from __future__ import annotations
 
+from keras_strategies import coordinator
 from keras_strategies.distribute import missing_names as _missing
 from keras_strategies.input.options import ValueContext
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+from keras_strategies.strategies.parameter_server import ParameterServerStrategy
 
 CollectiveCommunication = CommunicationImplementation
 """TensorFlow's older name for `CommunicationImplementation`: the same enum."""
@@ -33,7 +35,9 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
     "ValueContext",
+    "coordinator",
 ]
 
 __getattr__ = _missing.module_getattr("keras_strategies.experimental", "tf.distribute.experimental")
