@@ -81,7 +81,7 @@ class ParameterServerExtended(StrategyExtended):
     def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
         from keras_strategies.trainer import parameter_server
 
-        return parameter_server.run_keras_method(name, self._container, model, args, kwargs)
+        return parameter_server.run_keras_method(name, self._container, method, model, args, kwargs)
 
 
 class ParameterServerStrategy(Strategy):

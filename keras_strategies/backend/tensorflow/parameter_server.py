@@ -56,6 +56,35 @@ def serve(cluster_spec: Any, job_name: Optional[str], task_index: Optional[int],
     )
 
 
+_connected: dict = {}  # the cluster this process joined as its chief: {"cluster": dict}
+
+
+class _Strategy(tf.distribute.ParameterServerStrategy):
+    """TensorFlow's strategy, which a process may create again for the cluster it joined.
+
+    TensorFlow connects the chief to the cluster in each constructor, and a
+    second connection fails ("Could not start gRPC server": the chief's port
+    is taken); a second strategy (another partitioner, a new model) reuses
+    the connection. A process joins one cluster.
+    """
+
+    def _connect_to_cluster(self, coordinator_name: str) -> None:
+        cluster = self._cluster_resolver.cluster_spec().as_dict()
+        joined = _connected.get("cluster")
+        if joined is None:
+            super()._connect_to_cluster(coordinator_name)
+            _connected["cluster"] = cluster
+            return
+        if joined != cluster:
+            raise RuntimeError(
+                f"This process already joined the parameter-server cluster {joined} as its chief; it "
+                f"cannot join another ({cluster}). A process coordinates one cluster: create every "
+                "ks.ParameterServerStrategy of a program for the same cluster."
+            )
+        self._num_workers = len(cluster.get("worker", ()))
+        self._num_ps = len(cluster.get("ps", ()))
+
+
 class Runtime:
     """The chief's connection to a TensorFlow parameter-server cluster."""
 
@@ -65,7 +94,7 @@ class Runtime:
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             _tf_cluster_spec(cluster_spec), task_type=task_type, task_id=task_id, rpc_layer=rpc_layer or "grpc"
         )
-        self.strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+        self.strategy = _Strategy(resolver, variable_partitioner=partitioner)
         self._coordinator = None
         if partitioner is not None:
             _install_sharded_gradients()
@@ -86,6 +115,10 @@ class Runtime:
 
     def workers(self) -> list:
         return []  # TensorFlow's coordinator dispatches to the workers itself
+
+    def compile(self, fn: Callable) -> Callable:
+        """A function the coordinator can schedule: a `tf.function`."""
+        return tf.function(fn)
 
     def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         return self.strategy.run(fn, args=args, kwargs=kwargs)
