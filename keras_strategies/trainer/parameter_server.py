@@ -63,8 +63,8 @@ def on_chief(model: Any) -> Iterator[None]:
 
 
 def _dataset_fn(x: Any, y: Any, sample_weight: Any, batch_size: Optional[int], shuffle: bool,
-                steps_per_epoch: Optional[int]) -> tuple[Callable, int]:
-    """`(dataset_fn(input_context), steps per epoch)` for `fit`'s input, repeated without end."""
+                steps_per_epoch: Optional[int]) -> tuple[Any, int]:
+    """`(dataset_fn(input_context) or a dataset, steps per epoch)` for `fit`'s input, repeated without end."""
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):
@@ -79,7 +79,8 @@ def _dataset_fn(x: Any, y: Any, sample_weight: Any, batch_size: Optional[int], s
                     "`steps_per_epoch=N`."
                 )
             steps_per_epoch = cardinality
-        return (lambda context: x.repeat() if cardinality != tf.data.INFINITE_CARDINALITY else x), steps_per_epoch
+        # A dataset object (not a function capturing it): the coordinator sends its graph to the workers.
+        return (x.repeat() if cardinality != tf.data.INFINITE_CARDINALITY else x), steps_per_epoch
     if callable(x):  # a dataset function of an InputContext (as with DatasetCreator)
         if steps_per_epoch is None:
             raise ValueError(
@@ -153,11 +154,16 @@ def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Opt
     coordinator = ClusterCoordinator(strategy)
 
     # Built on the chief, in scope, before any step: every variable lives on the parameter servers.
+    if callable(dataset_fn):
+        spec = dataset_fn(InputContext()).element_spec
+        per_worker = coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)
+        )
+    else:
+        spec = dataset_fn.element_spec
+        per_worker = coordinator.create_per_worker_dataset(strategy.experimental_distribute_dataset(dataset_fn))
     with strategy.scope():
-        model._symbolic_build(data_batch=dataset_fn(InputContext()).element_spec)
-    per_worker = coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(dataset_fn)
-    )
+        model._symbolic_build(data_batch=spec)
     iterator = iter(per_worker)
     per_closure = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
     functions: dict = {}

@@ -17,9 +17,11 @@ import os
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.tensorflow import core as keras_tf_core
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.optimizers import base_optimizer
-from tensorflow.python.distribute import sharded_variable
+from tensorflow.python.distribute import ps_values, sharded_variable
 
 # Every task needs it for TensorFlow's coordinator to see a lost worker as a retryable failure.
 _FAIL_FAST = ("GRPC_FAIL_FAST", "use_caller")
@@ -96,6 +98,7 @@ class Runtime:
         )
         self.strategy = _Strategy(resolver, variable_partitioner=partitioner)
         self._coordinator = None
+        _install_atomic_increments()
         if partitioner is not None:
             _install_sharded_gradients()
 
@@ -237,6 +240,37 @@ def _wrap_distributed_update_step(original: Callable) -> Callable:
 
     _distributed_tf_update_step._ks_original = original
     return _distributed_tf_update_step
+
+
+def _on_parameter_servers(variable: Any) -> bool:
+    return isinstance(getattr(variable, "_value", None), (ps_values.CachingVariable, sharded_variable.ShardedVariable))
+
+
+def _wrap_increment(original: Callable, method: str) -> Callable:
+    """`assign_add` / `assign_sub` of a Keras variable on the parameter servers, made atomic.
+
+    Keras reads, adds and assigns; workers updating the same variable at once
+    (`optimizer.iterations`, a metric's totals) would then lose increments.
+    TensorFlow's own `assign_add` is one operation on the parameter server.
+    """
+
+    @functools.wraps(original)
+    def increment(self, value):
+        if not _on_parameter_servers(self) or in_stateless_scope():
+            return original(self, value)
+        value = self._convert_to_tensor(value, dtype=self._dtype)
+        return getattr(self._value, method)(tf.cast(value, self._value.dtype))
+
+    increment._ks_original = original
+    return increment
+
+
+def _install_atomic_increments() -> None:
+    cls = keras_tf_core.Variable
+    if hasattr(cls.assign_add, "_ks_original"):
+        return
+    cls.assign_add = _wrap_increment(cls.assign_add, "assign_add")
+    cls.assign_sub = _wrap_increment(cls.assign_sub, "assign_sub")
 
 
 def _install_sharded_gradients() -> None:

@@ -1,0 +1,175 @@
+"""The chief of a parameter-server cluster: each scenario's numbers, printed as one JSON line.
+
+`one_worker`: TensorFlow's custom loop and `fit` against a single device on
+the same batches (with and without a 3-shard partitioner) and the clear
+errors; `two_workers`: every scheduled step is applied once and the loss falls.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_strategies as ks
+
+scenario, cluster = sys.argv[1], json.loads(sys.argv[2])
+results = {}
+
+x = np.random.default_rng(0).normal(size=(40, 4)).astype("float32")
+y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
+BATCH, EPOCHS = 8, 3
+
+
+def strategy_for(partitioner=None):
+    resolver = ks.cluster_resolver.SimpleClusterResolver(
+        ks.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc")
+    return ks.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+
+
+def build(compiled=True):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(1)])
+    if compiled:
+        model.compile(keras.optimizers.Adam(0.05), "mse", metrics=["mae"], steps_per_execution=2)
+    return model
+
+
+def max_difference(a, b):
+    return float(max(np.abs(np.asarray(u) - np.asarray(v)).max() for u, v in zip(a, b)))
+
+
+def dataset_fn(_):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+
+
+def custom_loop(strategy, steps):
+    """TensorFlow's parameter-server tutorial's custom loop, with `s/tf.distribute/ks/`."""
+    with strategy.scope():
+        model = build(compiled=False)
+        optimizer = keras.optimizers.RMSprop(learning_rate=0.05)
+        mean_loss = keras.metrics.Mean()
+    initial = [v.numpy() for v in model.weights]
+
+    @tf.function
+    def step_fn(iterator):
+        def replica_fn(batch_data, labels):
+            with tf.GradientTape() as tape:
+                pred = model(batch_data, training=True)
+                per_example_loss = keras.losses.MeanSquaredError(reduction=None)(labels, pred)
+                loss = tf.nn.compute_average_loss(per_example_loss)
+            gradients = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+            mean_loss.update_state(loss)
+            return loss
+
+        batch_data, labels = next(iterator)
+        losses = strategy.run(replica_fn, args=(batch_data, labels))
+        return strategy.reduce(ks.ReduceOp.SUM, losses, axis=None)
+
+    coordinator = ks.coordinator.ClusterCoordinator(strategy)
+
+    @tf.function
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    per_worker_dataset = coordinator.create_per_worker_dataset(per_worker_dataset_fn)
+    per_worker_iterator = iter(per_worker_dataset)
+    losses = [coordinator.schedule(step_fn, args=(per_worker_iterator,)) for _ in range(steps)]
+    coordinator.join()
+    return model, optimizer, mean_loss, initial, [float(loss.fetch()) for loss in losses], coordinator, step_fn, \
+        per_worker_iterator
+
+
+def reference_loop(initial, steps):
+    model = build(compiled=False)
+    for variable, value in zip(model.weights, initial):
+        variable.assign(value)
+    optimizer = keras.optimizers.RMSprop(learning_rate=0.05)
+    losses = []
+    for step, (bx, by) in enumerate(dataset_fn(None).take(steps)):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.MeanSquaredError(reduction=None)(by, model(bx, training=True)))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        losses.append(float(loss))
+    return model, losses
+
+
+def error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test checks the type and message
+        return [type(e).__name__, str(e)]
+    return None
+
+
+if scenario == "one_worker":
+    for name, shards in (("round_robin", None), ("three_shards", 3)):
+        partitioner = None if shards is None else tf.distribute.experimental.partitioners.FixedShardsPartitioner(shards)
+        strategy = strategy_for(partitioner)
+        model, optimizer, mean_loss, initial, losses, coordinator, step_fn, iterator = custom_loop(strategy, 7)
+        reference, reference_losses = reference_loop(initial, 7)
+        results[f"loop_{name}"] = {
+            "weights": max_difference([v.numpy() for v in model.weights], [v.numpy() for v in reference.weights]),
+            "losses": max_difference([losses], [reference_losses]),
+            "mean_loss": abs(float(mean_loss.result()) - float(np.mean(reference_losses))),
+            "iterations": int(optimizer.iterations.numpy()),
+            "kernel_shards": len(getattr(model.weights[0].value, "variables", [model.weights[0].value])),
+            "devices": sorted({v.device for w in model.weights for v in getattr(w.value, "variables", [w.value])}),
+        }
+
+        with strategy.scope():
+            fitted = build()
+        history = fitted.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                             validation_data=(x[:16], y[:16]))
+        single = build()
+        single_history = single.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                                    validation_data=(x[:16], y[:16]))
+        results[f"fit_{name}"] = {
+            "weights": max_difference([v.numpy() for v in fitted.weights], [v.numpy() for v in single.weights]),
+            "history": max_difference([history.history[k] for k in sorted(single_history.history)],
+                                      [single_history.history[k] for k in sorted(single_history.history)]),
+            "history_keys": sorted(history.history),
+            "iterations": int(fitted.optimizer.iterations.numpy()),
+            "evaluate": max_difference([fitted.evaluate(x, y, verbose=0)], [single.evaluate(x, y, verbose=0)]),
+            "predict": max_difference([fitted.predict(x, verbose=0)], [single.predict(x, verbose=0)]),
+        }
+
+    # The coordinator and fit: clear errors for bad input.
+    remote = coordinator.schedule(step_fn, args=(iterator,))
+    coordinator.join()
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+    results["errors"] = {
+        "same_coordinator": ks.coordinator.ClusterCoordinator(strategy) is coordinator,
+        "remote_value_type": isinstance(remote, ks.coordinator.RemoteValue),
+        "schedule_not_callable": error(lambda: coordinator.schedule(5)),
+        "schedule_remote_value": error(lambda: coordinator.schedule(step_fn, args=(remote,))),
+        "coordinator_of_mirrored": error(lambda: ks.coordinator.ClusterCoordinator(ks.MirroredStrategy(["cpu:0"]))),
+        "fit_endless": error(lambda: fitted.fit(endless, epochs=1, verbose=0)),
+        "fit_dataset_function": error(lambda: fitted.fit(dataset_fn, epochs=1, verbose=0)),
+    }
+    # A finite tf.data.Dataset and a dataset function with steps_per_epoch train.
+    before = int(fitted.optimizer.iterations.numpy())
+    fitted.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=1, verbose=0)
+    fitted.fit(dataset_fn, epochs=2, steps_per_epoch=3, verbose=0)
+    results["inputs_iterations"] = int(fitted.optimizer.iterations.numpy()) - before
+
+if scenario == "two_workers":
+    strategy = strategy_for()
+    model, optimizer, mean_loss, initial, losses, coordinator, step_fn, iterator = custom_loop(strategy, 30)
+    with strategy.scope():
+        fitted = build()
+    history = fitted.fit(x, y, batch_size=BATCH, epochs=4, verbose=0)
+    results["two_workers"] = {
+        "iterations": int(optimizer.iterations.numpy()),
+        "first_losses": float(np.mean(losses[:5])),
+        "last_losses": float(np.mean(losses[-5:])),
+        "fit_iterations": int(fitted.optimizer.iterations.numpy()),
+        "fit_losses": history.history["loss"],
+    }
+
+print("RESULT " + json.dumps(results), flush=True)
+sys.stdout.flush()
+os._exit(0)  # TensorFlow's exit handlers would wait on the cluster the test stops
