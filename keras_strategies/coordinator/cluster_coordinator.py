@@ -31,11 +31,51 @@ def _closure_queue(workers: list) -> Any:
     return module.ClosureQueue(workers)
 
 
+try:
+    from keras_strategies.coordinator.remote_value import RemoteValue
+except ModuleNotFoundError as _error:
+    if _error.name != "keras_strategies.coordinator.remote_value":
+        raise
+
+    class RemoteValue(abc.ABC):  # type: ignore[no-redef]
+        """The value of a scheduled function, as `tf.distribute.experimental.coordinator.RemoteValue`.
+
+        Examples:
+            ```python
+            loss = coordinator.schedule(step_fn, args=(per_worker_iterator,))
+            coordinator.join()
+            print(loss.fetch())
+            ```
+        """
+
+        @abc.abstractmethod
+        def fetch(self) -> Any:
+            """Waits for the value and returns it as NumPy."""
+
+        @abc.abstractmethod
+        def get(self) -> Any:
+            """Waits for the value and returns it."""
+
+try:
+    from keras_strategies.coordinator.values import PerWorkerValues
+except ModuleNotFoundError as _error:
+    if _error.name != "keras_strategies.coordinator.values":
+        raise
+
+    class PerWorkerValues(abc.ABC):  # type: ignore[no-redef]
+        """One value per worker, such as the iterators of a per-worker dataset.
+
+        Examples:
+            ```python
+            per_worker_iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+            coordinator.schedule(step_fn, args=(per_worker_iterator,))  # each worker reads its own
+            ```
+        """
+
+
 def remote_value_types(strategy: Any = None) -> tuple:
     """The classes of values that `schedule` returns (ours and the engine's)."""
-    from keras_strategies import coordinator
-
-    types = (coordinator.RemoteValue,)
+    types = (RemoteValue,)
     if strategy is not None:
         types += tuple(getattr(strategy.extended._runtime, "remote_value_types", ()))
     return types
@@ -43,11 +83,9 @@ def remote_value_types(strategy: Any = None) -> tuple:
 
 def _register_engine_types(runtime: Any) -> None:
     """`isinstance(value, ks.coordinator.RemoteValue)` holds for the engine's own values too."""
-    from keras_strategies import coordinator
-
-    if isinstance(coordinator.RemoteValue, abc.ABCMeta):
+    if isinstance(RemoteValue, abc.ABCMeta):
         for cls in getattr(runtime, "remote_value_types", ()):
-            coordinator.RemoteValue.register(cls)
+            RemoteValue.register(cls)
 
 
 class ClusterCoordinator:
@@ -74,9 +112,7 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy: Any) -> "ClusterCoordinator":
-        from keras_strategies.strategies.parameter_server import ParameterServerStrategy
-
-        if not isinstance(strategy, ParameterServerStrategy):
+        if not getattr(strategy, "_is_parameter_server_strategy", False):
             raise ValueError(
                 "Only `ks.ParameterServerStrategy` is supported to work with `ClusterCoordinator` "
                 f"currently, got {type(strategy).__name__}."

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Optional
+
+from keras_strategies.backend import backend_name
+
+
+def parameter_server_engine() -> Any:
+    """The backend's parameter-server engine module, or a RuntimeError naming what to install."""
+    name = backend_name()
+    module = f"keras_strategies.backend.{name}.parameter_server"
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name not in (module, "ray"):
+            raise
+        raise RuntimeError(
+            f"ParameterServerStrategy on {name} needs the Ray engine: pip install keras-strategies[ray]"
+        ) from error
 
 
 class Server:
@@ -33,8 +50,6 @@ class Server:
     def __init__(self, server_or_cluster_def: Any, job_name: Optional[str] = None, task_index: Optional[int] = None,
                  protocol: Optional[str] = None, config: Any = None, start: bool = True):
         from keras_strategies.cluster_resolver.roles import normalize_cluster_spec
-        from keras_strategies.strategies.parameter_server import parameter_server_engine
-
         definition = server_or_cluster_def
         if isinstance(definition, dict) or hasattr(definition, "as_dict"):
             spec = normalize_cluster_spec(definition)

@@ -12,30 +12,15 @@ the cluster and gives the `tf.distribute` API.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Any, Callable, Iterator, Optional
 
-from keras_strategies.backend import backend_name
 from keras_strategies.cluster_resolver import TFConfigClusterResolver
 from keras_strategies.cluster_resolver.roles import validate_parameter_server_config
 from keras_strategies.distribute import context
 from keras_strategies.distribute.reduce_op import ReduceOp
+from keras_strategies.distribute.server import parameter_server_engine
 from keras_strategies.distribute.strategy import Strategy, StrategyExtended
 from keras_strategies.keras_integration.optimizer_hooks import direct_update
-
-
-def parameter_server_engine() -> Any:
-    """The backend's parameter-server engine module, or a RuntimeError naming what to install."""
-    name = backend_name()
-    module = f"keras_strategies.backend.{name}.parameter_server"
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        if error.name not in (module, "ray"):
-            raise
-        raise RuntimeError(
-            f"ParameterServerStrategy on {name} needs the Ray engine: pip install keras-strategies[ray]"
-        ) from error
 
 
 class ParameterServerExtended(StrategyExtended):
@@ -109,6 +94,8 @@ class ParameterServerStrategy(Strategy):
         ...
         ValueError: There must be at least one ps.
     """
+
+    _is_parameter_server_strategy = True
 
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Optional[Callable] = None):
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()

@@ -98,7 +98,6 @@ class Runtime:
         )
         self.strategy = _Strategy(resolver, variable_partitioner=partitioner)
         self._coordinator = None
-        _install_atomic_increments()
         if partitioner is not None:
             _install_sharded_gradients()
 
@@ -265,19 +264,21 @@ def _wrap_increment(original: Callable, method: str) -> Callable:
     return increment
 
 
-def _install_atomic_increments() -> None:
-    cls = keras_tf_core.Variable
-    if hasattr(cls.assign_add, "_ks_original"):
+def install_keras_hooks() -> None:
+    """Installs, once, the Keras replacements for variables on the parameter servers; each
+    changes nothing for other variables (see `keras_hooks.REPLACED`)."""
+    variable = keras_tf_core.Variable
+    if hasattr(variable.assign_add, "_ks_original"):
         return
-    cls.assign_add = _wrap_increment(cls.assign_add, "assign_add")
-    cls.assign_sub = _wrap_increment(cls.assign_sub, "assign_sub")
-
-
-def _install_sharded_gradients() -> None:
-    """Installs, once, what Keras 3 needs for variables split by a partitioner (see above)."""
-    if hasattr(tf.GradientTape.gradient, "_ks_original"):
-        return
-    tf.GradientTape.gradient = _wrap_gradient(tf.GradientTape.gradient)
+    variable.assign_add = _wrap_increment(variable.assign_add, "assign_add")
+    variable.assign_sub = _wrap_increment(variable.assign_sub, "assign_sub")
     cls = keras_tf_optimizer.TFOptimizer
     cls.add_variable_from_reference = _wrap_add_variable_from_reference(cls.add_variable_from_reference)
     cls._distributed_tf_update_step = _wrap_distributed_update_step(cls._distributed_tf_update_step)
+
+
+def _install_sharded_gradients() -> None:
+    """`tf.GradientTape.gradient` for Keras variables split by a partitioner, installed when a
+    strategy with a partitioner connects (see `_wrap_gradient`)."""
+    if not hasattr(tf.GradientTape.gradient, "_ks_original"):
+        tf.GradientTape.gradient = _wrap_gradient(tf.GradientTape.gradient)
