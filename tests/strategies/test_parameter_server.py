@@ -108,7 +108,7 @@ def cluster():
         for job, index in (("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1))
     ]
     try:
-        yield full
+        yield full, servers
     finally:
         for server in servers:
             server.kill()
@@ -116,9 +116,9 @@ def cluster():
             server.wait()
 
 
-def run_chief(scenario, cluster, timeout=240):
-    run = subprocess.run([sys.executable, os.path.join(PROGRAMS, "chief.py"), scenario, json.dumps(cluster)],
-                         env=_env(), capture_output=True, text=True, timeout=timeout)
+def run_chief(scenario, cluster, *args, timeout=240):
+    run = subprocess.run([sys.executable, os.path.join(PROGRAMS, "chief.py"), scenario, json.dumps(cluster),
+                          *map(str, args)], env=_env(), capture_output=True, text=True, timeout=timeout)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     if run.returncode != 0 or not lines:
         pytest.fail(f"chief exited {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}", pytrace=False)
@@ -127,12 +127,20 @@ def run_chief(scenario, cluster, timeout=240):
 
 @pytest.fixture(scope="module")
 def one_worker(cluster):
-    return run_chief("one_worker", {**cluster, "worker": cluster["worker"][:1]})
+    full, _ = cluster
+    return run_chief("one_worker", {**full, "worker": full["worker"][:1]})
 
 
 @pytest.fixture(scope="module")
 def two_workers(cluster, one_worker):  # after the one-worker chief: one chief at a time
-    return run_chief("two_workers", {**cluster, "ps": cluster["ps"][:1]})
+    full, _ = cluster
+    return run_chief("two_workers", {**full, "ps": full["ps"][:1]})
+
+
+@pytest.fixture(scope="module")
+def ps_failure(cluster, two_workers):  # last: it kills parameter server 1
+    full, servers = cluster
+    return run_chief("ps_failure", {**full, "worker": full["worker"][:1], "ps": full["ps"][1:]}, servers[3].pid)
 
 
 @pytest.mark.parametrize("name", ["round_robin", "three_shards"])
@@ -172,3 +180,9 @@ def test_cluster_two_workers_apply_every_step_once(two_workers):
     assert result["last_losses"] < result["first_losses"]
     assert result["fit_iterations"] == 4 * 5
     assert result["fit_losses"][-1] < result["fit_losses"][0]
+
+
+def test_cluster_a_dead_parameter_server_is_reported_by_name_in_bounded_time(ps_failure):
+    result = ps_failure["ps_failure"]
+    assert result["error"] is not None and result["seconds"] < 30, result
+    assert "/job:ps/replica:0/task:0" in result["error"][1], result["error"]

@@ -2,7 +2,8 @@
 
 `one_worker`: TensorFlow's custom loop and `fit` against a single device on
 the same batches (with and without a 3-shard partitioner) and the clear
-errors; `two_workers`: every scheduled step is applied once and the loss falls.
+errors; `two_workers`: every scheduled step is applied once and the loss falls;
+`ps_failure`: how soon a parameter server killed with SIGKILL is reported, and how.
 """
 
 import json
@@ -169,6 +170,22 @@ if scenario == "two_workers":
         "fit_iterations": int(fitted.optimizer.iterations.numpy()),
         "fit_losses": history.history["loss"],
     }
+
+if scenario == "ps_failure":  # the last scenario: it stops the cluster's parameter server
+    import signal
+    import time
+
+    strategy = strategy_for()
+    model, optimizer, mean_loss, initial, losses, coordinator, step_fn, iterator = custom_loop(strategy, 3)
+    os.kill(int(sys.argv[3]), signal.SIGKILL)
+    started, failure = time.monotonic(), None
+    while failure is None and time.monotonic() - started < 120:
+        try:
+            coordinator.schedule(step_fn, args=(iterator,))
+            coordinator.join()
+        except Exception as e:  # noqa: BLE001 - the test checks the type and message
+            failure = [type(e).__name__, str(e)[:2000]]
+    results["ps_failure"] = {"seconds": time.monotonic() - started, "error": failure}
 
 print("RESULT " + json.dumps(results), flush=True)
 sys.stdout.flush()
