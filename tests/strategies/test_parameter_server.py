@@ -138,7 +138,14 @@ def two_workers(cluster, one_worker):  # after the one-worker chief: one chief a
 
 
 @pytest.fixture(scope="module")
-def ps_failure(cluster, two_workers):  # last: it kills parameter server 1
+def worker_failure(cluster, two_workers):  # worker 1 is killed and restarted by the chief, which then stops it
+    full, servers = cluster
+    command = [sys.executable, os.path.join(PROGRAMS, "serve.py"), json.dumps(full), "worker", "1"]
+    return run_chief("worker_failure", {**full, "ps": full["ps"][:1]}, servers[1].pid, json.dumps(command))
+
+
+@pytest.fixture(scope="module")
+def ps_failure(cluster, worker_failure):  # last: it kills parameter server 1
     full, servers = cluster
     return run_chief("ps_failure", {**full, "worker": full["worker"][:1], "ps": full["ps"][1:]}, servers[3].pid)
 
@@ -180,6 +187,14 @@ def test_cluster_two_workers_apply_every_step_once(two_workers):
     assert result["last_losses"] < result["first_losses"]
     assert result["fit_iterations"] == 4 * 5
     assert result["fit_losses"][-1] < result["fit_losses"][0]
+
+
+def test_cluster_a_worker_killed_during_fit_loses_no_step(worker_failure):
+    result = worker_failure["worker_failure"]
+    assert result["restarted"] == 1 and result["killed_in_epoch"] == [1], result
+    # At least once: a step that was running on the killed worker runs again elsewhere.
+    assert result["scheduled"] <= result["iterations"] <= result["scheduled"] + 1, result
+    assert result["losses"][-1] < result["losses"][0]
 
 
 def test_cluster_a_dead_parameter_server_is_reported_by_name_in_bounded_time(ps_failure):

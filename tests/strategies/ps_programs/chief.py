@@ -3,6 +3,7 @@
 `one_worker`: TensorFlow's custom loop and `fit` against a single device on
 the same batches (with and without a 3-shard partitioner) and the clear
 errors; `two_workers`: every scheduled step is applied once and the loss falls;
+`worker_failure`: `fit` goes on when a worker is killed and restarted;
 `ps_failure`: how soon a parameter server killed with SIGKILL is reported, and how.
 """
 
@@ -170,6 +171,43 @@ if scenario == "two_workers":
         "fit_iterations": int(fitted.optimizer.iterations.numpy()),
         "fit_losses": history.history["loss"],
     }
+
+if scenario == "worker_failure":  # worker 1 is killed during an epoch of `fit` and restarted
+    import signal
+    import subprocess
+    import threading
+
+    worker_pid, serve_command = int(sys.argv[3]), json.loads(sys.argv[4])
+    restarted, killed_in_epoch, in_epoch = [], [], [None]
+
+    def kill_and_restart():
+        killed_in_epoch.append(in_epoch[0])  # None: between epochs
+        os.kill(worker_pid, signal.SIGKILL)
+        restarted.append(subprocess.Popen(serve_command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    class KillWorkerDuringEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            in_epoch[0] = epoch
+            if epoch == 1:
+                threading.Timer(0.05, kill_and_restart).start()
+
+        def on_epoch_end(self, epoch, logs=None):
+            in_epoch[0] = None
+
+    strategy = strategy_for()
+    with strategy.scope():
+        fitted = build()
+        fitted.compile(keras.optimizers.SGD(0.01), "mse")
+    history = fitted.fit(x, y, batch_size=2, epochs=3, shuffle=False, verbose=0, callbacks=[KillWorkerDuringEpoch()])
+    results["worker_failure"] = {
+        "iterations": int(fitted.optimizer.iterations.numpy()),
+        "scheduled": 3 * 20,
+        "restarted": len(restarted),
+        "killed_in_epoch": killed_in_epoch,
+        "losses": history.history["loss"],
+    }
+    for process in restarted:
+        process.kill()
 
 if scenario == "ps_failure":  # the last scenario: it stops the cluster's parameter server
     import signal
