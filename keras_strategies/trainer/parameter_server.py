@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 from keras.src import callbacks as callbacks_module
+from keras.src import optimizers as optimizers_module
 from keras.src import tree
 from keras.src.models import model as keras_model
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -177,6 +178,7 @@ def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Opt
     model.stop_training = False
     callbacks.on_train_begin()
     logs: dict = {}
+    initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch  # set by BackupAndRestore
     evaluate = keras_model.Model.evaluate._ks_original
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
@@ -202,5 +204,7 @@ def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Opt
         callbacks.on_epoch_end(epoch, logs)
         if model.stop_training:
             break
+    if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
+        model.optimizer.finalize_variable_values(model.trainable_weights)  # use_ema's averages
     callbacks.on_train_end(logs)
     return model.history

@@ -179,6 +179,13 @@ def test_cluster_clear_errors(one_worker):
     for name in ("fit_endless", "fit_dataset_function"):
         assert errors[name][0] == "ValueError" and "`steps_per_epoch` is required" in errors[name][1], errors[name]
     assert one_worker["inputs_iterations"] == 5 + 2 * 3
+    assert errors["batch_callback"][0] == "ValueError" and "BatchLogger overrides on_train_batch_end" in \
+        errors["batch_callback"][1]
+    assert errors["run_eagerly"][0] == "ValueError" and "`run_eagerly=True` is not supported" in errors["run_eagerly"][1]
+
+
+def test_cluster_keras_epoch_level_callbacks_work(one_worker):
+    assert one_worker["callbacks"] == {"epochs": 2, "checkpoint": True}
 
 
 def test_cluster_two_workers_apply_every_step_once(two_workers):

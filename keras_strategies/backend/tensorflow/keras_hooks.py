@@ -26,6 +26,8 @@ REPLACED = (
     *((f"keras.src.backend.tensorflow.core.Variable.{name}",
        "ParameterServerStrategy: one atomic update on the parameter server (workers lost increments)")
       for name in ("assign_add", "assign_sub")),
+    ("keras.src.backend.tensorflow.core.Variable.__array__",
+     "ParameterServerStrategy: a variable split by a partitioner reads as one array (saving, get_weights)"),
     ("keras.src.backend.tensorflow.optimizer.TFOptimizer._distributed_tf_update_step",
      "ParameterServerStrategy: a variable split by a partitioner is updated without colocation"),
 )

@@ -16,6 +16,7 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
+import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as keras_tf_core
@@ -264,6 +265,20 @@ def _wrap_increment(original: Callable, method: str) -> Callable:
     return increment
 
 
+def _wrap_array(original: Callable) -> Callable:
+    """`np.asarray(variable)` (Keras' saving, `get_weights`) of a variable split into shards: the
+    shards put together (a `ShardedVariable` has no `__array__`)."""
+
+    @functools.wraps(original)
+    def __array__(self, dtype=None, *args, **kwargs):
+        if _shards(self) is None:
+            return original(self, dtype, *args, **kwargs)
+        return np.asarray(self._value.numpy(), dtype=dtype)
+
+    __array__._ks_original = original
+    return __array__
+
+
 def install_keras_hooks() -> None:
     """Installs, once, the Keras replacements for variables on the parameter servers; each
     changes nothing for other variables (see `keras_hooks.REPLACED`)."""
@@ -272,6 +287,7 @@ def install_keras_hooks() -> None:
         return
     variable.assign_add = _wrap_increment(variable.assign_add, "assign_add")
     variable.assign_sub = _wrap_increment(variable.assign_sub, "assign_sub")
+    variable.__array__ = _wrap_array(variable.__array__)
     cls = keras_tf_optimizer.TFOptimizer
     cls.add_variable_from_reference = _wrap_add_variable_from_reference(cls.add_variable_from_reference)
     cls._distributed_tf_update_step = _wrap_distributed_update_step(cls._distributed_tf_update_step)

@@ -158,6 +158,25 @@ if scenario == "one_worker":
     fitted.fit(dataset_fn, epochs=2, steps_per_epoch=3, verbose=0)
     results["inputs_iterations"] = int(fitted.optimizer.iterations.numpy()) - before
 
+    # Keras' epoch-level callbacks work; one of the user's own with a batch hook is refused.
+    import tempfile
+
+    class BatchLogger(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    with tempfile.TemporaryDirectory() as directory:
+        checkpoint = os.path.join(directory, "model.keras")
+        callbacks = [keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
+                     keras.callbacks.ModelCheckpoint(checkpoint), keras.callbacks.EarlyStopping("loss", patience=3)]
+        history = fitted.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks)
+        results["callbacks"] = {"epochs": len(history.history["loss"]), "checkpoint": os.path.exists(checkpoint)}
+    results["errors"]["batch_callback"] = error(lambda: fitted.fit(x, y, verbose=0, callbacks=[BatchLogger()]))
+    with strategy.scope():
+        eager = build()
+        eager.compile("sgd", "mse", run_eagerly=True)
+    results["errors"]["run_eagerly"] = error(lambda: eager.fit(x, y, verbose=0))
+
 if scenario == "two_workers":
     strategy = strategy_for()
     model, optimizer, mean_loss, initial, losses, coordinator, step_fn, iterator = custom_loop(strategy, 30)
