@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from keras_strategies import coordinator
 from keras_strategies.distribute import missing_names as _missing
+from keras_strategies.input.dataset_creator import DatasetCreator
 from keras_strategies.input.options import ValueContext
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
@@ -34,6 +35,7 @@ __all__ = [
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "DatasetCreator",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "ValueContext",

@@ -157,8 +157,9 @@ def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Opt
     # Built on the chief, in scope, before any step: every variable lives on the parameter servers.
     if callable(dataset_fn):
         spec = dataset_fn(InputContext()).element_spec
+        options = getattr(x, "input_options", None)  # a DatasetCreator's
         per_worker = coordinator.create_per_worker_dataset(
-            lambda: strategy.distribute_datasets_from_function(dataset_fn)
+            lambda: strategy.distribute_datasets_from_function(dataset_fn, options)
         )
     else:
         spec = dataset_fn.element_spec

@@ -68,6 +68,13 @@ def test_public_names_are_those_of_tf_distribute():
         assert getattr(ks.coordinator, name) is not None
 
 
+def test_dataset_creator_checks_its_function():
+    with pytest.raises(TypeError, match="`dataset_fn` for `DatasetCreator` must be a `callable`"):
+        ks.experimental.DatasetCreator(5)
+    creator = ks.experimental.DatasetCreator(lambda context: [context.input_pipeline_id])
+    assert creator(ks.InputContext(2, 1)) == [1]
+
+
 def test_server_checks_its_task():
     cluster = {"worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
     with pytest.raises(ValueError, match="job_name 'evaluator' is not a job of the cluster"):
@@ -178,7 +185,7 @@ def test_cluster_clear_errors(one_worker):
     assert errors["coordinator_of_mirrored"][0] == "ValueError"
     for name in ("fit_endless", "fit_dataset_function"):
         assert errors[name][0] == "ValueError" and "`steps_per_epoch` is required" in errors[name][1], errors[name]
-    assert one_worker["inputs_iterations"] == 5 + 2 * 3
+    assert one_worker["inputs_iterations"] == 5 + 2 * 3 + 2  # a dataset, a function, a DatasetCreator
     assert errors["batch_callback"][0] == "ValueError" and "BatchLogger overrides on_train_batch_end" in \
         errors["batch_callback"][1]
     assert errors["run_eagerly"][0] == "ValueError" and "`run_eagerly=True` is not supported" in errors["run_eagerly"][1]

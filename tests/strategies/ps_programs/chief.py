@@ -156,6 +156,7 @@ if scenario == "one_worker":
     before = int(fitted.optimizer.iterations.numpy())
     fitted.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=1, verbose=0)
     fitted.fit(dataset_fn, epochs=2, steps_per_epoch=3, verbose=0)
+    fitted.fit(ks.experimental.DatasetCreator(dataset_fn), epochs=1, steps_per_epoch=2, verbose=0)
     results["inputs_iterations"] = int(fitted.optimizer.iterations.numpy()) - before
 
     # Keras' epoch-level callbacks work; one of the user's own with a batch hook is refused.
