@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -22,6 +23,7 @@ from keras.src.models import model as keras_model
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_strategies.distribute import context
 from keras_strategies.input.options import InputContext
 
 # Keras' own callbacks that do their work at epoch ends under the defaults (batch hooks idle).
@@ -43,8 +45,33 @@ def run_keras_method(name: str, strategy: Any, method: Callable, model: Any, arg
         )
     if name == "fit":
         return fit(model, strategy, *args, **kwargs)
-    with on_chief(model):
-        return method(model, *args, **kwargs)
+    return run_on_chief(method, model, *args, **kwargs)
+
+
+def run_on_chief(method: Callable, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keras' own `method` on the chief, outside every strategy scope (see `on_chief`).
+
+    Called inside `strategy.scope()`, it runs in a thread of its own: scopes (ours,
+    TensorFlow's, Keras') belong to the thread that entered them.
+    """
+    if not context.has_strategy():
+        with on_chief(model):
+            return method(model, *args, **kwargs)
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            with on_chief(model):
+                outcome["value"] = method(model, *args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name=f"ks-chief-{getattr(method, '__name__', 'method')}")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 @contextlib.contextmanager
@@ -195,12 +222,11 @@ def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Opt
         logs = dict(pythonify_logs(model.get_metrics_result()))
         if validation_data is not None and (epoch + 1) % validation_freq == 0:
             val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
-            with on_chief(model):
-                val_logs = evaluate(
-                    model, x=val_x, y=val_y, sample_weight=val_sample_weight,
-                    batch_size=validation_batch_size or batch_size, steps=validation_steps, verbose=0,
-                    return_dict=True,
-                )
+            val_logs = run_on_chief(
+                evaluate, model, x=val_x, y=val_y, sample_weight=val_sample_weight,
+                batch_size=validation_batch_size or batch_size, steps=validation_steps, verbose=0,
+                return_dict=True,
+            )
             logs.update({f"val_{name}": value for name, value in val_logs.items()})
         callbacks.on_epoch_end(epoch, logs)
         if model.stop_training:

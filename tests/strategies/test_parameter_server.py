@@ -195,6 +195,12 @@ def test_cluster_keras_epoch_level_callbacks_work(one_worker):
     assert one_worker["callbacks"] == {"epochs": 2, "checkpoint": True}
 
 
+def test_cluster_fit_evaluate_and_predict_inside_the_scope(one_worker):
+    keys, rows, evaluation = one_worker["in_scope"]
+    assert keys == ["loss", "mae", "val_loss", "val_mae"] and rows == 40
+    assert len(evaluation) == 2 and min(evaluation) > 0
+
+
 def test_cluster_two_workers_apply_every_step_once(two_workers):
     result = two_workers["two_workers"]
     assert result["iterations"] == 30

@@ -172,6 +172,9 @@ if scenario == "one_worker":
                      keras.callbacks.ModelCheckpoint(checkpoint), keras.callbacks.EarlyStopping("loss", patience=3)]
         history = fitted.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks)
         results["callbacks"] = {"epochs": len(history.history["loss"]), "checkpoint": os.path.exists(checkpoint)}
+    with strategy.scope():  # fit, evaluate and predict also run when called inside the scope
+        in_scope = fitted.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x[:16], y[:16]))
+        results["in_scope"] = [sorted(in_scope.history), len(fitted.predict(x, verbose=0)), fitted.evaluate(x, y, verbose=0)]
     results["errors"]["batch_callback"] = error(lambda: fitted.fit(x, y, verbose=0, callbacks=[BatchLogger()]))
     with strategy.scope():
         eager = build()
