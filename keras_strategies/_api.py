@@ -10,6 +10,7 @@ from keras_strategies._version import check_keras as _check_keras
 _check_keras()
 
 from keras_strategies import cluster_resolver  # noqa: E402  (and the imports below)
+from keras_strategies import coordinator
 from keras_strategies import experimental
 from keras_strategies.distribute import missing_names as _missing
 from keras_strategies.distribute import devices as _devices
@@ -45,6 +46,8 @@ from keras_strategies.multi_worker.communication import CommunicationImplementat
 from keras_strategies.multi_worker.health import LostWorkerError
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from keras_strategies.strategies.one_device import OneDeviceStrategy
+from keras_strategies.strategies.parameter_server import ParameterServerStrategy
+from keras_strategies.distribute.server import Server
 from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.distribute.strategy import Strategy, StrategyExtended
 from keras_strategies.distribute.values import DistributedValues, Mirrored, PerReplica
@@ -73,14 +76,17 @@ __all__ = [
     "Mirrored",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",
+    "Server",
     "Strategy",
     "StrategyExtended",
     "ValueContext",
     "cluster_resolver",
+    "coordinator",
     "compute_average_loss",
     "experimental",
     "experimental_set_strategy",

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import sys as _sys
 
+from keras_strategies import coordinator
 from keras_strategies.distribute import missing_names as _missing
 from keras_strategies.distribute import partitioners
+from keras_strategies.input.dataset_creator import DatasetCreator
 from keras_strategies.input.options import ValueContext
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+from keras_strategies.strategies.parameter_server import ParameterServerStrategy
 
 CollectiveCommunication = CommunicationImplementation
 """TensorFlow's older name for `CommunicationImplementation`: the same enum."""
@@ -37,8 +40,11 @@ __all__ = [
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "DatasetCreator",
     "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
     "ValueContext",
+    "coordinator",
     "partitioners",
 ]
 

@@ -20,8 +20,8 @@ TF_EXPERIMENTAL = [
     "CommunicationOptions", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PreemptionCheckpointHandler",
     "PreemptionWatcher", "TPUStrategy", "TerminationConfig", "ValueContext", "coordinator", "partitioners", "rpc",
 ]
-NOT_PROVIDED = {"CentralStorageStrategy", "CollectiveHints", "ParameterServerStrategy", "PreemptionCheckpointHandler",
-                "PreemptionWatcher", "Server", "TPUStrategy", "TerminationConfig", "coordinator", "rpc"}
+NOT_PROVIDED = {"CentralStorageStrategy", "CollectiveHints", "PreemptionCheckpointHandler",
+                "PreemptionWatcher", "TPUStrategy", "TerminationConfig", "rpc"}
 
 
 @pytest.mark.parametrize("module, names", [(ks, TF_DISTRIBUTE), (experimental, TF_EXPERIMENTAL)],

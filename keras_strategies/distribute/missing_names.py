@@ -10,10 +10,7 @@ from typing import Callable
 
 NOT_PROVIDED = {
     "CentralStorageStrategy": "a strategy",
-    "ParameterServerStrategy": "a strategy",
     "TPUStrategy": "a strategy",
-    "Server": "TensorFlow's gRPC server (ks.MultiWorkerMirroredStrategy starts what it needs itself)",
-    "coordinator": "the ParameterServerStrategy coordinator",
     "PreemptionCheckpointHandler": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "PreemptionWatcher": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "TerminationConfig": "preemption handling (use keras.callbacks.BackupAndRestore)",
@@ -21,7 +18,7 @@ NOT_PROVIDED = {
     "rpc": "TF's experimental RPC",
 }
 
-PROVIDED = "OneDeviceStrategy, MirroredStrategy and MultiWorkerMirroredStrategy"
+PROVIDED = "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy and ParameterServerStrategy"
 
 
 def attribute_error(module: str, tf_name: str, name: str) -> AttributeError:

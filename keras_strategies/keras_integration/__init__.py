@@ -24,9 +24,12 @@ original as `_ks_original`.
 | `saving.saving_api.save_model`, `save_weights` (and the public names bound to them) | `chief_only` | only the chief's file is kept under `MultiWorkerMirroredStrategy` |
 | `random.seed_generator.SeedGenerator.next` | `replica_seeds` | replicas draw different random numbers, as rows do on one device |
 | `backend.tensorflow.optimizer.TFOptimizer` update methods, `LossScaleOptimizer._tf_apply` | TensorFlow engine (`backend/tensorflow/keras_hooks.py`) | the summed update is applied in TF's cross-replica context |
+| `backend.tensorflow.core.Variable.assign_add`, `assign_sub`, `__array__`, `TFOptimizer._distributed_tf_update_step` (and its `add_variable_from_reference` again) | TensorFlow engine (`backend/tensorflow/parameter_server.py`) | `ParameterServerStrategy`: increments are atomic on the parameter server; a variable split by a partitioner reads, updates and gets slots as one |
 | `utils.torch_utils.TorchModuleWrapper.call` | PyTorch engine (`backend/torch/keras_hooks.py`) | a wrapped `torch.nn.Module` runs on the replica's values of its parameters |
 
-Besides these, `chief_only` changes the progress bar and Keras' messages on
+Besides these, a `ParameterServerStrategy` with a partitioner replaces TensorFlow's
+`tf.GradientTape.gradient` (a split Keras variable gets one gradient, put together from its
+shards), and `chief_only` changes the progress bar and Keras' messages on
 non-chief workers through the callbacks it is given, not by replacing methods.
 """
 

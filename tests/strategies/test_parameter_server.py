@@ -1,0 +1,223 @@
+"""`ks.ParameterServerStrategy`, `ks.coordinator` and `ks.Server`.
+
+The front end's checks run on every backend without a cluster. On
+TensorFlow, real `worker` and `ps` tasks (`ks.Server(...).join()` in their own
+processes, on 127.0.0.1) serve a chief program per scenario: the chief is a
+process of its own because a process coordinates one cluster.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import keras_strategies as ks
+from keras_strategies.launcher.tf_config import free_ports
+
+PROGRAMS = os.path.join(os.path.dirname(__file__), "ps_programs")
+BACKEND = keras.backend.backend()
+
+
+def resolver(cluster, task_type="chief", task_id=0):
+    return ks.cluster_resolver.SimpleClusterResolver(ks.ClusterSpec(cluster), task_type=task_type, task_id=task_id)
+
+
+def engine_available():
+    try:
+        from keras_strategies.strategies.parameter_server import parameter_server_engine
+
+        parameter_server_engine()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("cluster, message", [
+    ({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "There must be at least one ps."),
+    ({"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "There must be at least one worker."),
+    ({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"], "trainer": ["127.0.0.1:4"]},
+     "Disallowed task type"),
+])
+def test_invalid_clusters_get_tensorflow_s_errors(cluster, message):
+    with pytest.raises(ValueError, match=message):
+        ks.ParameterServerStrategy(resolver(cluster))
+
+
+def test_an_empty_cluster_and_a_worker_task_are_refused():
+    with pytest.raises(ValueError, match="Cluster spec must be non-empty"):
+        ks.ParameterServerStrategy(resolver({}, task_type=None, task_id=None))
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    with pytest.raises(ValueError, match=r"created on the chief.*ks.Server\(cluster_spec, job_name='worker', task_index=0\)"):
+        ks.ParameterServerStrategy(resolver(cluster, "worker", 0))
+    with pytest.raises(ValueError, match="variable_partitioner must be None or a partitioner"):
+        ks.ParameterServerStrategy(resolver(cluster), variable_partitioner=3)
+
+
+def test_the_coordinator_needs_a_parameter_server_strategy():
+    with pytest.raises(ValueError, match="Only `ks.ParameterServerStrategy` is supported"):
+        ks.coordinator.ClusterCoordinator(ks.MirroredStrategy(["cpu:0"]))
+
+
+def test_public_names_are_those_of_tf_distribute():
+    assert ks.experimental.ParameterServerStrategy is ks.ParameterServerStrategy
+    assert ks.experimental.coordinator is ks.coordinator
+    for name in ("ClusterCoordinator", "RemoteValue", "PerWorkerValues", "experimental_get_current_worker_index"):
+        assert getattr(ks.coordinator, name) is not None
+
+
+def test_dataset_creator_checks_its_function():
+    with pytest.raises(TypeError, match="`dataset_fn` for `DatasetCreator` must be a `callable`"):
+        ks.experimental.DatasetCreator(5)
+    creator = ks.experimental.DatasetCreator(lambda context: [context.input_pipeline_id])
+    assert creator(ks.InputContext(2, 1)) == [1]
+
+
+def test_server_checks_its_task():
+    cluster = {"worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    with pytest.raises(ValueError, match="job_name 'evaluator' is not a job of the cluster"):
+        ks.Server(cluster, job_name="evaluator", task_index=0)
+    with pytest.raises(ValueError, match="task_index 1 is out of range for job 'ps'"):
+        ks.Server(cluster, job_name="ps", task_index=1)
+
+
+@pytest.mark.skipif(engine_available(), reason="this backend has a parameter-server engine")
+def test_without_an_engine_the_error_names_what_to_install():
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    with pytest.raises(RuntimeError, match=f"ParameterServerStrategy on {BACKEND} needs the Ray engine"):
+        ks.ParameterServerStrategy(resolver(cluster))
+    with pytest.raises(RuntimeError, match="needs the Ray engine: pip install keras-strategies\\[ray\\]"):
+        ks.Server(cluster, job_name="ps", task_index=0)
+
+
+# --- a real cluster on 127.0.0.1 (TensorFlow's runtime) --------------------------------------
+
+def _env():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_STRATEGIES_CPU_DEVICES": "1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two workers and two parameter servers serving until the module ends; each scenario's chief
+    takes the tasks it needs (the same chief address, one chief at a time)."""
+    if BACKEND != "tensorflow":
+        pytest.skip("the TensorFlow engine; the Ray engine has its own tests")
+    ports = free_ports(5)
+    full = {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{p}" for p in ports[1:3]],
+            "ps": [f"127.0.0.1:{p}" for p in ports[3:]]}
+    servers = [
+        subprocess.Popen([sys.executable, os.path.join(PROGRAMS, "serve.py"), json.dumps(full), job, str(index)],
+                         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for job, index in (("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1))
+    ]
+    try:
+        yield full, servers
+    finally:
+        for server in servers:
+            server.kill()
+        for server in servers:
+            server.wait()
+
+
+def run_chief(scenario, cluster, *args, timeout=240):
+    run = subprocess.run([sys.executable, os.path.join(PROGRAMS, "chief.py"), scenario, json.dumps(cluster),
+                          *map(str, args)], env=_env(), capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    if run.returncode != 0 or not lines:
+        pytest.fail(f"chief exited {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}", pytrace=False)
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def one_worker(cluster):
+    full, _ = cluster
+    return run_chief("one_worker", {**full, "worker": full["worker"][:1]})
+
+
+@pytest.fixture(scope="module")
+def two_workers(cluster, one_worker):  # after the one-worker chief: one chief at a time
+    full, _ = cluster
+    return run_chief("two_workers", {**full, "ps": full["ps"][:1]})
+
+
+@pytest.fixture(scope="module")
+def worker_failure(cluster, two_workers):  # worker 1 is killed and restarted by the chief, which then stops it
+    full, servers = cluster
+    command = [sys.executable, os.path.join(PROGRAMS, "serve.py"), json.dumps(full), "worker", "1"]
+    return run_chief("worker_failure", {**full, "ps": full["ps"][:1]}, servers[1].pid, json.dumps(command))
+
+
+@pytest.fixture(scope="module")
+def ps_failure(cluster, worker_failure):  # last: it kills parameter server 1
+    full, servers = cluster
+    return run_chief("ps_failure", {**full, "worker": full["worker"][:1], "ps": full["ps"][1:]}, servers[3].pid)
+
+
+@pytest.mark.parametrize("name", ["round_robin", "three_shards"])
+def test_cluster_custom_loop_with_one_worker_equals_one_device(one_worker, name):
+    result = one_worker[f"loop_{name}"]
+    assert result["weights"] <= 1e-5 and result["losses"] <= 1e-5 and result["mean_loss"] <= 1e-5, result
+    assert result["iterations"] == 7
+    assert all(device.startswith("/job:ps/") for device in result["devices"]), result["devices"]
+    assert len(result["devices"]) == 2  # both parameter servers hold variables
+    assert result["kernel_shards"] == (1 if name == "round_robin" else 3)
+
+
+@pytest.mark.parametrize("name", ["round_robin", "three_shards"])
+def test_cluster_fit_with_one_worker_equals_one_device(one_worker, name):
+    result = one_worker[f"fit_{name}"]
+    assert result["weights"] <= 1e-5 and result["history"] <= 1e-5, result
+    assert result["history_keys"] == ["loss", "mae", "val_loss", "val_mae"]
+    assert result["iterations"] == 3 * 5  # 3 epochs of 40 rows in batches of 8
+    assert result["evaluate"] <= 1e-5 and result["predict"] <= 1e-5
+
+
+def test_cluster_clear_errors(one_worker):
+    errors = one_worker["errors"]
+    assert errors["same_coordinator"] and errors["remote_value_type"]
+    assert errors["schedule_not_callable"][0] == "TypeError" and "needs a function" in errors["schedule_not_callable"][1]
+    assert errors["schedule_remote_value"][0] == "ValueError"
+    assert "does not take a RemoteValue" in errors["schedule_remote_value"][1]
+    assert errors["coordinator_of_mirrored"][0] == "ValueError"
+    for name in ("fit_endless", "fit_dataset_function"):
+        assert errors[name][0] == "ValueError" and "`steps_per_epoch` is required" in errors[name][1], errors[name]
+    assert one_worker["inputs_iterations"] == 5 + 2 * 3 + 2  # a dataset, a function, a DatasetCreator
+    assert errors["batch_callback"][0] == "ValueError" and "BatchLogger overrides on_train_batch_end" in \
+        errors["batch_callback"][1]
+    assert errors["run_eagerly"][0] == "ValueError" and "`run_eagerly=True` is not supported" in errors["run_eagerly"][1]
+
+
+def test_cluster_keras_epoch_level_callbacks_work(one_worker):
+    assert one_worker["callbacks"] == {"epochs": 2, "checkpoint": True}
+
+
+def test_cluster_fit_evaluate_and_predict_inside_the_scope(one_worker):
+    keys, rows, evaluation = one_worker["in_scope"]
+    assert keys == ["loss", "mae", "val_loss", "val_mae"] and rows == 40
+    assert len(evaluation) == 2 and min(evaluation) > 0
+
+
+def test_cluster_two_workers_apply_every_step_once(two_workers):
+    result = two_workers["two_workers"]
+    assert result["iterations"] == 30
+    assert result["last_losses"] < result["first_losses"]
+    assert result["fit_iterations"] == 4 * 5
+    assert result["fit_losses"][-1] < result["fit_losses"][0]
+
+
+def test_cluster_a_worker_killed_during_fit_loses_no_step(worker_failure):
+    result = worker_failure["worker_failure"]
+    assert result["restarted"] == 1 and result["killed_in_epoch"] == [1], result
+    # At least once: a step that was running on the killed worker runs again elsewhere.
+    assert result["scheduled"] <= result["iterations"] <= result["scheduled"] + 1, result
+    assert result["losses"][-1] < result["losses"][0]
+
+
+def test_cluster_a_dead_parameter_server_is_reported_by_name_in_bounded_time(ps_failure):
+    result = ps_failure["ps_failure"]
+    assert result["error"] is not None and result["seconds"] < 30, result
+    assert "/job:ps/replica:0/task:0" in result["error"][1], result["error"]
