@@ -66,6 +66,7 @@ _PROCESS_TESTS = (
     "tests/tutorials/",
     "tests/distribute/test_devices.py::test_environment_variable_and_function_in_a_fresh_process",
     "tests/test_readme.py::",
+    "tests/coordinator/",
 )
 
 
