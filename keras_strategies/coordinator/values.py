@@ -25,6 +25,19 @@ class PerWorkerValues:
         return f"PerWorkerValues({list(self._values)!r})"
 
 
+class PerWorkerIterator(PerWorkerValues):
+    """Each worker's iterator over its dataset: pass it to `schedule` and call `next()` on it in the function."""
+
+    def __iter__(self) -> "PerWorkerIterator":
+        return self
+
+    def __next__(self) -> Any:
+        raise TypeError(
+            "A per-worker iterator is read on the workers: pass it to `coordinator.schedule(fn, args=(iterator,))` "
+            "and call `next(iterator)` inside `fn`."
+        )
+
+
 class WorkerResource:
     """A value built on a worker from a definition kept by the chief (a dataset or an iterator).
 
@@ -56,8 +69,8 @@ class PerWorkerDataset:
             fns.append(_Bound(dataset_fn, input_context_fn(index)) if wants_context else dataset_fn)
         self._datasets = PerWorkerValues([WorkerResource(i, "dataset", fn) for i, fn in enumerate(fns)])
 
-    def __iter__(self) -> "PerWorkerValues":
-        return PerWorkerValues([WorkerResource(d.worker_index, "iterator", d) for d in self._datasets._values])
+    def __iter__(self) -> "PerWorkerIterator":
+        return PerWorkerIterator([WorkerResource(d.worker_index, "iterator", d) for d in self._datasets._values])
 
     def __repr__(self) -> str:
         return f"<PerWorkerDataset on {len(self._datasets)} workers>"

@@ -118,18 +118,25 @@ def loads(data: bytes) -> Any:
 
 
 def _by_value(obj: Any) -> None:
-    """Functions from the user's own modules (scripts, tests) travel by value: workers need not import them."""
-    module = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", None)
-    if not module or module == "__main__" or module in _BY_VALUE:
-        return
-    loaded = sys.modules.get(module)
-    path = getattr(loaded, "__file__", None) or ""
-    if not path or "site-packages" in path or "dist-packages" in path or module.split(".")[0] == "keras_strategies":
-        return
-    if os.path.realpath(path).startswith(os.path.realpath(sys.prefix)):
-        return
-    cloudpickle.register_pickle_by_value(loaded)
-    _BY_VALUE.add(module)
+    """The user's own modules (scripts, tests, local helpers) travel by value: workers need not import them.
+
+    Installed packages (under the interpreter's prefix) and keras_strategies travel by reference.
+    """
+    prefixes = tuple({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    for name, module in list(sys.modules.items()):
+        if name in _BY_VALUE or name == "__main__" or module is None:
+            continue
+        _BY_VALUE.add(name)
+        path = getattr(module, "__file__", None)
+        if not path or name.split(".")[0] in ("keras_strategies", "keras", "ray"):
+            continue
+        path = os.path.realpath(path)
+        if path.startswith(prefixes) or "site-packages" in path or "dist-packages" in path:
+            continue
+        try:
+            cloudpickle.register_pickle_by_value(module)
+        except (ValueError, TypeError):
+            pass
 
 
 _BY_VALUE: set = set()
