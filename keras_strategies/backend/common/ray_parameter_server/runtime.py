@@ -55,8 +55,17 @@ def ensure_ray(address: Optional[str] = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     else:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, _node_ip_address="127.0.0.1")
+        # Ray turns 127.0.0.1 into the machine's network address unless it runs as a one-machine
+        # cluster; then every Ray server of this runtime binds to and advertises 127.0.0.1.
+        from ray._private import ray_constants
+
+        saved = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, _node_ip_address="127.0.0.1")
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 class WorkerHandle:
