@@ -14,13 +14,27 @@ ray = pytest.importorskip("ray", reason="the coordinator's Ray engine needs `pip
 
 @pytest.fixture(scope="session")
 def ray_runtime():
-    from keras_strategies.backend.common.ray_parameter_server import runtime
+    """Ray on 127.0.0.1 with 3 parameter-server and 2 worker actors, shared by every test of the run.
+
+    `cluster()` starts each test over on the first few of them; the third
+    parameter server is the one a test may kill.
+    """
+    from keras_strategies.backend.common.ray_parameter_server import connect, runtime
 
     started = not ray.is_initialized()
     runtime.ensure_ray()
-    yield
+    spec = {"chief": ["127.0.0.1:1"], "ps": [f"127.0.0.1:{10 + i}" for i in range(3)],
+            "worker": [f"127.0.0.1:{20 + i}" for i in range(2)]}
+    shared = connect(spec, "chief", 0, None)
+    SHARED.append(shared)
+    yield shared
+    SHARED.remove(shared)
+    shared.shutdown()
     if started:
         ray.shutdown()
+
+
+SHARED = []
 
 
 class Strategy:
@@ -46,16 +60,12 @@ class WorkerStrategy:
 
 @contextlib.contextmanager
 def cluster(num_ps, num_workers, partitioner=None):
-    """A Ray runtime with `num_ps` shards and `num_workers` workers, its strategy and closure queue."""
-    from keras_strategies.backend.common.ray_parameter_server import connect
+    """The shared runtime started over with `num_ps` shards and `num_workers` workers, its strategy and queue."""
     from keras_strategies.coordinator.closure_queue import ClosureQueue
 
-    spec = {"chief": ["127.0.0.1:1"], "ps": [f"127.0.0.1:{10 + i}" for i in range(num_ps)],
-            "worker": [f"127.0.0.1:{20 + i}" for i in range(num_workers)]}
-    runtime = connect(spec, "chief", 0, partitioner)
+    runtime = SHARED[-1]._reuse(partitioner, num_ps, num_workers)
     queue = ClosureQueue(runtime.workers())
     try:
         yield Strategy(runtime), queue
     finally:
         queue.shutdown()
-        runtime.shutdown()

@@ -61,6 +61,13 @@ class ParameterShard:
     def ping(self) -> int:
         return os.getpid()
 
+    def reset(self) -> None:
+        """Forgets every variable and optimizer (a new strategy starts on the same processes)."""
+        with self.lock:
+            self.values.clear()
+            self.optimizers.clear()
+            self.applied.clear()
+
     def setup(self, pieces: dict, optimizers: dict) -> None:
         """Creates pieces ({piece id: initial value}) and optimizers ({key: spec}); see `Registry`."""
         keras = self.keras
@@ -166,11 +173,10 @@ class WorkerActor:
     """Runs closures: pulls values, runs, sends gradients and variable changes to the shards."""
 
     def __init__(self, index: int, backend: str, shard_names: list):
-        import ray
-
         self.index = index
         self.keras = _import_keras(backend)
-        self.shards = [ray.get_actor(name) for name in shard_names]
+        self.shard_names = shard_names
+        self.shard_handles: dict = {}
         self.layout: dict = {}  # key -> [(shard, start, stop, pid)]
         self.optimizer_layout: dict = {}  # optimizer key -> {"variables": [keys], "shards": [...]}
         self.functions: dict = {}
@@ -184,6 +190,14 @@ class WorkerActor:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def reset(self) -> None:
+        """Forgets every variable, function and dataset (a new strategy starts on the same processes)."""
+        self.layout, self.optimizer_layout = {}, {}
+        self.functions.clear()
+        self.definitions.clear()
+        self.transport.WORKER_VARIABLES.clear()
+        self.transport.WORKER_RESOURCES.clear()
 
     def run(self, closure_id: str, function_key: int, function_bytes: Optional[bytes], call_bytes: bytes,
             layout: Optional[tuple], definitions: dict) -> Any:
@@ -215,10 +229,23 @@ class WorkerActor:
 
     # -- values ----------------------------------------------------------------------------
 
+    def _shard(self, index: int) -> Any:
+        """The actor of parameter server `index` (looked up by name when first used)."""
+        import ray
+
+        if index not in self.shard_handles:
+            try:
+                self.shard_handles[index] = ray.get_actor(self.shard_names[index])
+            except ValueError:
+                from keras_strategies.backend.common.remote_errors import ParameterServerUnavailableError
+
+                raise ParameterServerUnavailableError(f"ps:{index}", "its actor is gone") from None
+        return self.shard_handles[index]
+
     def _call_shards(self, calls: list) -> list:
         import ray
 
-        refs = [getattr(self.shards[shard], method).remote(*args) for shard, method, args in calls]
+        refs = [getattr(self._shard(shard), method).remote(*args) for shard, method, args in calls]
         results = []
         for (shard, _, _), ref in zip(calls, refs):
             try:

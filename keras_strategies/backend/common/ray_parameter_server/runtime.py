@@ -183,7 +183,8 @@ class Runtime:
         self._prefix = f"ks-{uuid.uuid4().hex[:10]}"
         self.shards = [self._start_shard(i) for i in range(self.num_ps)]
         ray.get([shard.ping.remote() for shard in self.shards])
-        self._pool = WorkerPool(self, [WorkerHandle(self, i) for i in range(self.num_workers)])
+        self._all_handles = [WorkerHandle(self, i) for i in range(self.num_workers)]
+        self._pool = WorkerPool(self, self._all_handles)
         self._functions: dict = {}
         self._functions_lock = threading.Lock()
         self._scope_depth = 0
@@ -205,9 +206,29 @@ class Runtime:
                            **self._placement(f"worker:{index}")).remote(
             index, self.backend, [f"{self._prefix}-ps-{i}" for i in range(self.num_ps)])
 
+    def _reuse(self, partitioner: Optional[Callable[..., Any]], num_ps: int, num_workers: int) -> "Runtime":
+        """Starts over on the same actors with the first `num_ps` shards and `num_workers` workers.
+
+        Tests share one set of processes this way; the variables and datasets of
+        the previous use are forgotten.
+        """
+        if num_ps > len(self.shards) or num_workers > len(self._all_handles):
+            raise ValueError(f"this runtime has {len(self.shards)} ps and {len(self._all_handles)} workers")
+        self.registry = Registry(num_ps, partitioner)
+        self.num_ps, self.num_workers = num_ps, num_workers
+        for handle in self._all_handles:
+            handle.wait_until_available()
+        ray.get([s.reset.remote() for s in self.shards[:num_ps]] + [h.actor.reset.remote() for h in self._all_handles])
+        for handle in self._all_handles:
+            handle._forget()
+        with self._functions_lock:
+            self._functions.clear()
+        self._pool = WorkerPool(self, self._all_handles[:num_workers])
+        return self
+
     def shutdown(self) -> None:
         """Stops the actors (the Ray runtime stays up for the next strategy)."""
-        for actor in [h.actor for h in self._pool] + self.shards:
+        for actor in [h.actor for h in self._all_handles] + self.shards:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
 
