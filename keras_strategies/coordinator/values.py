@@ -93,3 +93,19 @@ def _takes_one_argument(fn: Callable[..., Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return len(parameters) == 1
+
+
+def experimental_get_current_worker_index() -> int:
+    """The index of the worker running the current scheduled function (Ray engine).
+
+    Raises RuntimeError outside a scheduled function.
+    """
+    from keras_strategies.backend.common.ray_parameter_server.actors import current_worker_index
+
+    index = current_worker_index()
+    if index is None:
+        raise RuntimeError(
+            "experimental_get_current_worker_index() is only available inside a function scheduled with "
+            "`coordinator.schedule(...)`, which runs on a worker."
+        )
+    return index

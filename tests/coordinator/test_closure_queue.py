@@ -43,10 +43,6 @@ def _sleep(seconds, value):
     return value
 
 
-def _pid():
-    return os.getpid()
-
-
 def test_schedule_returns_at_once_and_fetch_gives_each_result(two_workers):
     queue = two_workers
     started = time.monotonic()
@@ -59,11 +55,22 @@ def test_schedule_returns_at_once_and_fetch_gives_each_result(two_workers):
     assert queue.fetch(queue.schedule(_square, args=(np.float32(3.0),))) == 9.0
 
 
+def _worker_index():
+    from keras_strategies.coordinator.values import experimental_get_current_worker_index
+
+    time.sleep(0.2)
+    return experimental_get_current_worker_index()
+
+
 def test_closures_run_on_both_workers(two_workers):
     queue = two_workers
-    pids = {v.fetch() for v in [queue.schedule(_sleep, args=(0.2, None)) and queue.schedule(_pid) for _ in range(6)]}
+    indices = [queue.schedule(_worker_index) for _ in range(6)]
     queue.join()
-    assert len(pids) == 2
+    assert {v.fetch() for v in indices} == {0, 1}
+    from keras_strategies.coordinator.values import experimental_get_current_worker_index
+
+    with pytest.raises(RuntimeError, match="only available inside a function scheduled"):
+        experimental_get_current_worker_index()
 
 
 def test_first_error_raised_by_join_then_cleared_and_queued_closures_cancelled(two_workers):
@@ -112,13 +119,11 @@ def test_invalid_schedule_arguments(two_workers):
 
 def _kill_worker_during_closures(queue, kill):
     """Schedules slow closures, kills the worker that runs closure 0 while it runs, checks every result arrives."""
-    started = threading.Event()
     values = [queue.schedule(_sleep_and_pid, args=(0.8, i)) for i in range(6)]
     handle = queue._workers[0]
     pid = ray.get(handle.actor.ping.remote())
     time.sleep(0.3)
     kill(handle, pid)
-    started.set()
     queue.join()
     results = [v.fetch() for v in values]
     assert [index for index, _ in results] == list(range(6))
@@ -216,3 +221,22 @@ def _raises(value: RemoteValue, error: type) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return False
+
+
+def test_engine_interface_errors_and_server():
+    from keras_strategies.backend.common.ray_parameter_server import connect, serve
+
+    with pytest.raises(ValueError, match="at least one `ps` task"):
+        connect({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "chief", 0, None)
+    with pytest.raises(ValueError, match="at least one `worker` task"):
+        connect({"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "chief", 0, None)
+    with pytest.raises(ValueError, match="chief trains"):
+        serve({"ps": ["127.0.0.1:2"]}, "chief", 0)
+    server = serve({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]}, "ps", 0)
+    waiter = threading.Thread(target=server.join)
+    waiter.start()
+    waiter.join(0.1)
+    assert waiter.is_alive()  # a ps task serves until stopped
+    server.stop()
+    waiter.join(5)
+    assert not waiter.is_alive()
