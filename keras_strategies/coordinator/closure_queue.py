@@ -170,7 +170,8 @@ class ClosureQueue:
                     else:
                         self._queue.appendleft(closure)
                     self._lock.notify_all()
-                handle.wait_until_available()
+                if not self._wait_for(handle):
+                    return
                 continue
             except BaseException as error:  # noqa: BLE001  (a closure's error goes to its RemoteValue and join)
                 closure.remote_value._set_error(error)
@@ -187,6 +188,28 @@ class ClosureQueue:
             with self._lock:
                 self._in_flight -= 1
                 self._lock.notify_all()
+
+    def _wait_for(self, handle: Any) -> bool:
+        """Waits until a lost worker is back; False if the queue stopped meanwhile.
+
+        A worker that stays away past the engine's limit is an error like a
+        closure's (raised by `join`), so that nothing waits for it forever.
+        """
+        while True:
+            try:
+                handle.wait_until_available()
+                return True
+            except WorkerUnavailableError as error:
+                with self._lock:
+                    if self._stopped:
+                        return False
+                    if self._error is None:
+                        self._error = error
+                    for queued in self._queue:
+                        queued.remote_value._set_error(_cancelled(error))
+                    self._queue.clear()
+                    self._lock.notify_all()
+                    self._lock.wait(1.0)  # then ask again, unless the queue stops meanwhile
 
     # -- helpers ---------------------------------------------------------------------------
 

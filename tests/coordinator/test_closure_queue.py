@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from conftest import cluster
-from keras_strategies.backend.common.remote_errors import ParameterServerUnavailableError
+from keras_strategies.backend.common.remote_errors import ParameterServerUnavailableError, WorkerUnavailableError
 from keras_strategies.coordinator.remote_value import CancelledError, RemoteValue
 
 pytestmark = pytest.mark.usefixtures("ray_runtime")
@@ -240,3 +240,36 @@ def test_engine_interface_errors_and_server():
     server.stop()
     waiter.join(5)
     assert not waiter.is_alive()
+
+
+class _InProcessWorker:
+    """A worker of the queue's handle protocol that runs closures in the queue's thread; it can be lost for good."""
+
+    def __init__(self, index):
+        self.index, self.name = index, f"worker:{index}"
+        self.lost = False
+
+    def run(self, closure_id, fn, args, kwargs):
+        if self.lost:
+            raise WorkerUnavailableError(self.name, "lost")
+        return fn(*args, **kwargs)
+
+    def wait_until_available(self):
+        if self.lost:
+            raise WorkerUnavailableError(self.name, "did not come back within 0 s")
+
+
+def test_a_worker_that_never_comes_back_is_an_error_not_a_hang():
+    from keras_strategies.coordinator.closure_queue import ClosureQueue
+
+    worker = _InProcessWorker(0)
+    queue = ClosureQueue([worker])
+    assert queue.schedule(_square, args=(3,)).fetch() == 9
+    worker.lost = True
+    values = [queue.schedule(_square, args=(i,)) for i in range(3)]
+    with pytest.raises(WorkerUnavailableError, match="did not come back"):
+        queue.join()
+    for value in values:
+        with pytest.raises(CancelledError):
+            value.fetch()
+    queue.shutdown()
