@@ -1,15 +1,10 @@
-"""One Ray runtime on 127.0.0.1 for every coordinator test of the run, and small clusters on it.
-
-The clusters are the Ray engine's shard and worker actors (real processes).
-`Strategy` below gives the tests the few strategy methods they use, so that
-they read like the `ks.ParameterServerStrategy` code they exercise.
-"""
-
-import contextlib
+"""One Ray runtime on 127.0.0.1 for every coordinator test of the run (helpers in ray_cluster.py)."""
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="the coordinator's Ray engine needs `pip install ray`")
+
+from ray_cluster import SHARED  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,40 +27,3 @@ def ray_runtime():
     shared.shutdown()
     if started:
         ray.shutdown()
-
-
-SHARED = []
-
-
-class Strategy:
-    """`scope()` and `run()` of a parameter-server strategy over a Ray `Runtime`."""
-
-    def __init__(self, runtime):
-        self.runtime = runtime
-
-    def scope(self):
-        return self.runtime.variable_scope()
-
-    def run(self, fn, args=(), kwargs=None):
-        return fn(*args, **(kwargs or {}))
-
-    def _ks_worker_copy(self):
-        return WorkerStrategy()
-
-
-class WorkerStrategy:
-    def run(self, fn, args=(), kwargs=None):
-        return fn(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def cluster(num_ps, num_workers, partitioner=None):
-    """The shared runtime started over with `num_ps` shards and `num_workers` workers, its strategy and queue."""
-    from keras_strategies.coordinator.closure_queue import ClosureQueue
-
-    runtime = SHARED[-1]._reuse(partitioner, num_ps, num_workers)
-    queue = ClosureQueue(runtime.workers())
-    try:
-        yield Strategy(runtime), queue
-    finally:
-        queue.shutdown()

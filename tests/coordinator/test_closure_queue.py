@@ -16,7 +16,7 @@ import pytest
 
 import ray
 
-from conftest import cluster
+from ray_cluster import cluster
 from keras_strategies.backend.common.remote_errors import ParameterServerUnavailableError, WorkerUnavailableError
 from keras_strategies.coordinator.remote_value import CancelledError, RemoteValue
 
@@ -226,8 +226,10 @@ def _raises(value: RemoteValue, error: type) -> bool:
 def test_engine_interface_errors_and_server():
     from keras_strategies.backend.common.ray_parameter_server import connect, serve
 
+    import keras_strategies as ks
+
     with pytest.raises(ValueError, match="at least one `ps` task"):
-        connect({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "chief", 0, None)
+        connect(ks.ClusterSpec({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}), "chief", 0, None)
     with pytest.raises(ValueError, match="at least one `worker` task"):
         connect({"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "chief", 0, None)
     with pytest.raises(ValueError, match="chief trains"):

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 import keras_strategies as ks
-from conftest import cluster
+from ray_cluster import cluster
 from reference_loops import average_loss, split, squared_error, train
 
 pytestmark = [
