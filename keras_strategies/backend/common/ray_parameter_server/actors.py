@@ -105,8 +105,12 @@ class ParameterShard:
                     self.values[pid].assign(value)
                 self.optimizers[key] = (optimizer, list(spec["trainable"]))
 
-    def read(self, pids: list) -> list:
+    def read(self, pids: list, forget_tokens: bool = False) -> list:
+        """Current values of `pids`; with `forget_tokens`, also forgets which updates were applied
+        (the chief asks when no closure can run again: the queue is idle)."""
         with self.lock:
+            if forget_tokens:
+                self.applied.clear()
             return [_numpy(self.keras, self.values[pid]) for pid in pids]
 
     def write(self, values: dict) -> None:

@@ -261,7 +261,8 @@ class Runtime:
         """Gives the chief's variables the shards' current values (after `join`)."""
         reads = self.registry.reads()
         shards = sorted(reads)
-        results = self._call([(s, "read", (reads[s],)) for s in shards])
+        # The queue is idle: no closure can run again, so the shards may forget their update tokens.
+        results = self._call([(s, "read", (reads[s], True)) for s in shards])
         self.registry.assign({pid: v for s, values in zip(shards, results) for pid, v in zip(reads[s], values)})
 
     def _call(self, calls: list) -> list:
