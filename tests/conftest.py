@@ -68,6 +68,7 @@ _PROCESS_TESTS = (
     "tests/distribute/test_devices.py::test_environment_variable_and_function_in_a_fresh_process",
     "tests/test_readme.py::",
     "tests/strategies/test_parameter_server.py::test_cluster_",
+    "tests/coordinator/",
 )
 
 

@@ -9,3 +9,4 @@ from keras_strategies.backend.jax import trainer  # noqa: F401
 from keras_strategies.backend.jax import collectives  # noqa: F401
 from keras_strategies.backend.jax import keras_hooks  # noqa: F401
 from keras_strategies.backend.jax import nccl  # noqa: F401
+from keras_strategies.backend.jax import parameter_server  # noqa: F401

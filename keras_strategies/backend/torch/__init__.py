@@ -9,3 +9,4 @@ from keras_strategies.backend.torch import trainer  # noqa: F401
 from keras_strategies.backend.torch import collectives  # noqa: F401
 from keras_strategies.backend.torch import keras_hooks  # noqa: F401
 from keras_strategies.backend.torch import nccl  # noqa: F401
+from keras_strategies.backend.torch import parameter_server  # noqa: F401

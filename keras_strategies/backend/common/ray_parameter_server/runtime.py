@@ -1,0 +1,338 @@
+"""The Ray runtime of parameter-server training (JAX and PyTorch): shards and workers as Ray actors.
+
+`connect` (on the chief) joins the Ray cluster the parameter servers and
+workers serve (`serve`, for `ks.Server`), or starts a local Ray runtime on
+127.0.0.1 when there is none, and starts one shard actor per `ps` task and one
+worker actor per `worker` task. Worker actors restart when they die (Ray's
+`max_restarts`); the closure queue then runs the lost closure elsewhere and
+the worker rebuilds its datasets. Shard actors do not restart: a lost
+parameter server is an error naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import keras
+import ray
+from ray import cloudpickle
+
+from keras_strategies.backend.common.ray_parameter_server import actors, transport
+from keras_strategies.backend.common.ray_parameter_server.registry import Registry
+from keras_strategies.backend.common.remote_errors import (
+    ParameterServerUnavailableError,
+    WorkerUnavailableError,
+)
+
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def jobs(cluster_spec: Any) -> dict:
+    """{job name: [addresses]} from a ClusterSpec, a dict, or anything with `as_dict()`."""
+    if hasattr(cluster_spec, "as_dict"):
+        cluster_spec = cluster_spec.as_dict()
+    if not isinstance(cluster_spec, Mapping):
+        raise ValueError(f"expected a cluster spec (a ClusterSpec or a dict of jobs); got {cluster_spec!r}")
+    result = {}
+    for job, tasks in cluster_spec.items():
+        if isinstance(tasks, Mapping):
+            tasks = [tasks[i] for i in sorted(tasks)]
+        result[job] = list(tasks)
+    return result
+
+
+def ensure_ray(address: Optional[str] = None) -> None:
+    """Joins the Ray cluster at `address`, or starts a local Ray runtime bound to 127.0.0.1."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ["KERAS_BACKEND"] = keras.backend.backend()
+    if address:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    else:
+        # Ray turns 127.0.0.1 into the machine's network address unless it runs as a one-machine
+        # cluster; then every Ray server of this runtime binds to and advertises 127.0.0.1.
+        from ray._private import ray_constants
+
+        saved = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, _node_ip_address="127.0.0.1")
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+class WorkerHandle:
+    """The chief's handle on one worker actor, used by the closure queue."""
+
+    def __init__(self, runtime: "Runtime", index: int):
+        self.runtime = runtime
+        self.index = index
+        self.name = f"worker:{index}"
+        self.actor = runtime._start_worker(index)
+        self._sent_functions: set = set()
+        self._sent_resources: set = set()
+        self._layout_version = -1
+        self._lock = threading.Lock()
+
+    def _forget(self) -> None:
+        with self._lock:
+            self._sent_functions.clear()
+            self._sent_resources.clear()
+            self._layout_version = -1
+
+    def run(self, closure_id: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Runs `fn(*args, **kwargs)` on this worker; raises `WorkerUnavailableError` if the worker is lost."""
+        runtime = self.runtime
+        function_key, function_bytes, resources = runtime._pickled_function(fn)
+        resources = dict(resources)
+        call_bytes = transport.dumps((args, kwargs), runtime.registry.keys, resources)
+        with self._lock:
+            send_function = function_bytes if function_key not in self._sent_functions else None
+            definitions = self._definitions(resources)
+            version = runtime.registry.version
+            layout = None
+            if version != self._layout_version:
+                layout = (dict(runtime.registry.layout), dict(runtime.registry.optimizer_layout))
+        try:
+            ref = self.actor.run.remote(closure_id, function_key, send_function, call_bytes, layout, definitions)
+            result = ray.get(ref)
+        except _LOST as error:
+            self._forget()
+            raise WorkerUnavailableError(self.name, type(error).__name__) from None
+        except ray.exceptions.RayTaskError as error:
+            cause = error.cause
+            if isinstance(cause, BaseException):
+                if hasattr(cause, "add_note"):
+                    cause.add_note(f"(raised on {self.name}; its traceback follows)\n{_remote_traceback(error)}")
+                raise cause from None
+            raise
+        with self._lock:
+            self._sent_functions.add(function_key)
+            self._sent_resources.update(definitions)
+            if layout is not None:
+                self._layout_version = version
+        return result
+
+    def _definitions(self, resources: dict) -> dict:
+        definitions = {}
+        pending = list(resources.values())
+        while pending:
+            resource = pending.pop()
+            if resource.key in self._sent_resources or resource.key in definitions:
+                continue
+            if resource.kind == "iterator":
+                definitions[resource.key] = ("iterator", resource.payload.key)
+                pending.append(resource.payload)
+            else:
+                definitions[resource.key] = (resource.kind, transport.dumps(resource.payload, {}, {}))
+        return definitions
+
+    def wait_until_available(self, timeout: float = 300.0) -> None:
+        """Blocks until the worker actor answers again (Ray restarts it)."""
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            try:
+                ray.get(self.actor.ping.remote(), timeout=10)
+                return
+            except (ray.exceptions.GetTimeoutError, *_LOST):
+                if time.monotonic() > deadline:
+                    raise WorkerUnavailableError(self.name, f"did not come back within {timeout:.0f} s") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+
+class WorkerPool(list):
+    """The worker handles, with the hooks that move the chief's values to and from the shards."""
+
+    def __init__(self, runtime: "Runtime", handles: list):
+        super().__init__(handles)
+        self.runtime = runtime
+
+    def before_dispatch(self) -> None:
+        self.runtime.push()
+
+    def after_join(self) -> None:
+        self.runtime.pull()
+
+
+class Runtime:
+    """Parameter servers and workers as Ray actors, driven by the chief."""
+
+    def __init__(self, cluster_spec: Any, task_type: Optional[str], task_id: Optional[int],
+                 partitioner: Optional[Callable[..., Any]], address: Optional[str] = None):
+        cluster = jobs(cluster_spec)
+        self.num_ps = len(cluster.get("ps", []))
+        self.num_workers = len(cluster.get("worker", []))
+        if not self.num_ps:
+            raise ValueError("ParameterServerStrategy needs at least one `ps` task in the cluster spec; it has none.")
+        if not self.num_workers:
+            raise ValueError("ParameterServerStrategy needs at least one `worker` task in the cluster spec; it has none.")
+        self.task_type, self.task_id = task_type, task_id
+        ensure_ray(address)
+        self.backend = keras.backend.backend()
+        self.registry = Registry(self.num_ps, partitioner)
+        self._resources = ray.cluster_resources()
+        self._prefix = f"ks-{uuid.uuid4().hex[:10]}"
+        self.shards = [self._start_shard(i) for i in range(self.num_ps)]
+        ray.get([shard.ping.remote() for shard in self.shards])
+        self._all_handles = [WorkerHandle(self, i) for i in range(self.num_workers)]
+        self._pool = WorkerPool(self, self._all_handles)
+        self._functions: dict = {}
+        self._functions_lock = threading.Lock()
+        self._scope_depth = 0
+
+    # -- actors ----------------------------------------------------------------------------
+
+    def _placement(self, role: str) -> dict:
+        # On a cluster whose nodes serve roles (`serve`), each actor runs on its role's node.
+        return {"resources": {role: 0.001}} if role in self._resources else {}
+
+    def _start_shard(self, index: int) -> Any:
+        cls = ray.remote(actors.ParameterShard)
+        return cls.options(num_cpus=0, max_restarts=0, max_concurrency=4, name=f"{self._prefix}-ps-{index}",
+                           **self._placement(f"ps:{index}")).remote(index, self.backend)
+
+    def _start_worker(self, index: int) -> Any:
+        cls = ray.remote(actors.WorkerActor)
+        return cls.options(num_cpus=0, max_restarts=-1, max_task_retries=0,
+                           **self._placement(f"worker:{index}")).remote(
+            index, self.backend, [f"{self._prefix}-ps-{i}" for i in range(self.num_ps)])
+
+    def _reuse(self, partitioner: Optional[Callable[..., Any]], num_ps: int, num_workers: int) -> "Runtime":
+        """Starts over on the same actors with the first `num_ps` shards and `num_workers` workers.
+
+        Tests share one set of processes this way; the variables and datasets of
+        the previous use are forgotten.
+        """
+        if num_ps > len(self.shards) or num_workers > len(self._all_handles):
+            raise ValueError(f"this runtime has {len(self.shards)} ps and {len(self._all_handles)} workers")
+        self.registry = Registry(num_ps, partitioner)
+        self.num_ps, self.num_workers = num_ps, num_workers
+        for handle in self._all_handles:
+            handle.wait_until_available()
+        ray.get([s.reset.remote() for s in self.shards[:num_ps]] + [h.actor.reset.remote() for h in self._all_handles])
+        for handle in self._all_handles:
+            handle._forget()
+        with self._functions_lock:
+            self._functions.clear()
+        self._pool = WorkerPool(self, self._all_handles[:num_workers])
+        return self
+
+    def shutdown(self) -> None:
+        """Stops the actors (the Ray runtime stays up for the next strategy)."""
+        for actor in [h.actor for h in self._all_handles] + self.shards:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+
+    # -- the engine interface ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def variable_scope(self) -> Iterator[None]:
+        """Variables and optimizers created inside live on the parameter servers."""
+        with _tracking(self.registry):
+            yield
+
+    def native_coordinator(self) -> None:
+        return None
+
+    def workers(self) -> WorkerPool:
+        return self._pool
+
+    # -- values ------------------------------------------------------------------------------
+
+    def push(self) -> None:
+        """Places new variables and sends the chief's changes to the shards (before work starts)."""
+        pieces, optimizers = self.registry.place(lambda cls: cloudpickle.dumps(cls))
+        calls = [(s, "setup", (pieces.get(s, {}), optimizers.get(s, {})))
+                 for s in sorted(set(pieces) | set(optimizers))]
+        changes = self.registry.changed()
+        calls += [(s, "write", (values,)) for s, values in sorted(changes.items())]
+        self._call(calls)
+
+    def pull(self) -> None:
+        """Gives the chief's variables the shards' current values (after `join`)."""
+        reads = self.registry.reads()
+        shards = sorted(reads)
+        # The queue is idle: no closure can run again, so the shards may forget their update tokens.
+        results = self._call([(s, "read", (reads[s], True)) for s in shards])
+        self.registry.assign({pid: v for s, values in zip(shards, results) for pid, v in zip(reads[s], values)})
+
+    def _call(self, calls: list) -> list:
+        refs = [getattr(self.shards[shard], method).remote(*args) for shard, method, args in calls]
+        results = []
+        for (shard, _, _), ref in zip(calls, refs):
+            try:
+                results.append(ray.get(ref, timeout=30))
+            except (*_LOST, ray.exceptions.GetTimeoutError) as error:
+                raise ParameterServerUnavailableError(f"ps:{shard}", type(error).__name__) from None
+        return results
+
+    def _pickled_function(self, fn: Callable[..., Any]) -> tuple:
+        with self._functions_lock:
+            key = (id(fn), self.registry.version)
+            entry = self._functions.get(key)
+            if entry is None:
+                resources: dict = {}
+                data = transport.dumps(fn, self.registry.keys, resources)
+                entry = (hash(key) & 0x7FFFFFFFFFFF, data, resources, fn)
+                self._functions[key] = entry
+            return entry[0], entry[1], entry[2]
+
+    def __reduce__(self):
+        return (_no_runtime, ())
+
+
+def _no_runtime() -> None:
+    return None
+
+
+_TRACKING: list = []
+_TRACKING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _tracking(registry: Registry) -> Iterator[None]:
+    """Records the Keras variables and optimizers created inside in `registry`."""
+    from keras.src.backend.common import variables as common_variables
+    from keras.src.optimizers import base_optimizer
+
+    with _TRACKING_LOCK:
+        if not _TRACKING:
+            _patch(common_variables.Variable, "__init__", "track_variable")
+            _patch(base_optimizer.BaseOptimizer, "__init__", "track_optimizer")
+        _TRACKING.append(registry)
+    try:
+        yield
+    finally:
+        with _TRACKING_LOCK:
+            _TRACKING.remove(registry)
+            if not _TRACKING:
+                common_variables.Variable.__init__ = common_variables.Variable.__init__._ks_original
+                base_optimizer.BaseOptimizer.__init__ = base_optimizer.BaseOptimizer.__init__._ks_original
+
+
+def _patch(cls: type, name: str, method: str) -> None:
+    original = getattr(cls, name)
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if _TRACKING:
+            getattr(_TRACKING[-1], method)(self)
+
+    init._ks_original = original
+    setattr(cls, name, init)
+
+
+def _remote_traceback(error: BaseException) -> str:
+    try:
+        return str(error).strip()
+    except Exception:  # noqa: BLE001  (a traceback is a courtesy)
+        return "(no traceback)"

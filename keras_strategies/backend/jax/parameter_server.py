@@ -1,0 +1,7 @@
+"""ParameterServerStrategy's engine on JAX: Ray actors hold the variables and run the closures.
+
+The runtime is backend-neutral (`backend/common/ray_parameter_server`); this
+module gives it the engine interface every backend's `parameter_server` has.
+"""
+
+from keras_strategies.backend.common.ray_parameter_server import connect, serve  # noqa: F401
