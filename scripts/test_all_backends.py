@@ -11,11 +11,12 @@ runs use this script's Python, which has the newest supported Keras.
 Most tests keep one core busy, so the backends run side by side
 (`KS_TEST_JOBS` at a time, default all; `KS_TEST_JOBS=1` runs everything one
 after the other). The tests that start processes (workers, the launcher,
-notebook kernels; `tests/conftest.py` lists them) have timeouts that must not
-depend on another backend's processes, so each backend runs as two pytest
-runs (`KS_TEST_SELECT`): its other tests beside the other backends', and its
-process tests in one lane that takes the backends in turn. A backend waiting
-for the lane thus keeps its other tests going. Beside other runs,
+notebook kernels; `tests/conftest.py` lists them) run apart: each backend runs
+as two pytest runs (`KS_TEST_SELECT`), its other tests beside the other
+backends', and its process tests in one of `KS_TEST_PROCESS_LANES` lanes
+(default 2) that take the backends in turn. Process tests of two lanes share
+the machine; a test that bounds a time holds a lock alone (`tests/conftest.py`),
+so that its bound never depends on another backend's processes. Beside other runs,
 `jax-keras-min` runs only the tests that start no process (the `jax` run runs
 those with the newest Keras); alone (`KS_TEST_BACKENDS=jax-keras-min`, as in
 `make test-keras-min`) it runs them all.
@@ -103,37 +104,37 @@ def _combine(parts: list) -> tuple[int, dict, float]:
     return code, counts, sum(seconds for _, _, seconds in parts)
 
 
-def run_all(backends: list[str], pytest_args: list[str], jobs: int) -> dict:
+def run_all(backends: list[str], pytest_args: list[str], jobs: int, lanes: int) -> dict:
     """Runs the backends, `jobs` pytest runs at a time; returns {backend: (exit code, counts, seconds)}.
 
-    With several backends, the process tests run in one lane (one thread taking them in turn)
-    besides the `jobs` threads; `KS_TEST_JOBS=1` runs everything in one thread.
+    With several backends, the process tests run in `lanes` threads of their own besides the
+    `jobs` threads; `KS_TEST_JOBS=1` runs everything in one thread.
     """
     side_by_side, lane = _parts(backends)
     pending: queue.Queue = queue.Queue()
     for part in side_by_side + (lane if jobs == 1 else []):
         pending.put(part)
+    lane_parts: queue.Queue = queue.Queue()
+    for part in lane:
+        lane_parts.put(part)
     results: dict = {b: [] for b in backends}
     with tempfile.TemporaryDirectory(prefix="ks-tests-") as directory:
 
         def run(part: tuple) -> None:
             results[part[0]].append(run_part(*part, pytest_args, directory))
 
-        def worker() -> None:
+        def worker(parts: queue.Queue) -> None:
             while True:
                 try:
-                    part = pending.get_nowait()
+                    part = parts.get_nowait()
                 except queue.Empty:
                     return
                 run(part)
 
-        def process_lane() -> None:
-            for part in lane:
-                run(part)
-
-        threads = [threading.Thread(target=worker) for _ in range(max(1, min(jobs, len(side_by_side))))]
-        if jobs > 1 and lane:
-            threads.append(threading.Thread(target=process_lane))
+        threads = [threading.Thread(target=worker, args=(pending,))
+                   for _ in range(max(1, min(jobs, len(side_by_side))))]
+        if jobs > 1:
+            threads += [threading.Thread(target=worker, args=(lane_parts,)) for _ in range(min(lanes, len(lane)))]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -159,8 +160,12 @@ def main() -> int:
         print(f"KS_TEST_JOBS must be a positive whole number of backends run at once, got {jobs_text!r}.")
         return 2
     jobs = int(jobs_text)
+    lanes_text = os.environ.get("KS_TEST_PROCESS_LANES", "2")
+    if not lanes_text.isdigit() or int(lanes_text) < 1:
+        print(f"KS_TEST_PROCESS_LANES must be a positive whole number of lanes, got {lanes_text!r}.")
+        return 2
     started = time.monotonic()
-    results = run_all(backends, sys.argv[1:], jobs)
+    results = run_all(backends, sys.argv[1:], jobs, int(lanes_text))
     print("\n===== summary =====")
     total_passed = total_failed = 0
     for backend, (code, counts, seconds) in results.items():
@@ -173,7 +178,7 @@ def main() -> int:
         print(f"{backend:>13}: {counts.get('passed', 0)} passed, {failed} failed, "
               f"{counts.get('skipped', 0)} skipped in {seconds:.0f}s of pytest runs  {status}")
     print(f"total: {total_passed} passed, {total_failed} failed in {time.monotonic() - started:.0f}s "
-          f"({min(jobs, len(backends))} backend(s) at a time, process tests in one lane)")
+          f"({min(jobs, len(backends))} backend(s) at a time, process tests in {lanes_text} lane(s))")
     return 0 if all(code == 0 for code, _, _ in results.values()) else 1
 
 

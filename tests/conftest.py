@@ -58,9 +58,10 @@ def _fresh_keras_state():
 
 
 # Tests that start processes (workers, the launcher, notebook kernels) or time a watchdog.
-# `scripts/test_all_backends.py` runs them one backend after the other (KS_TEST_SELECT, below);
-# when two runs of it overlap, they name a shared lock file that these tests hold, so that their
-# timeouts never depend on another run's processes.
+# `scripts/test_all_backends.py` runs them apart from the other tests, in lanes (KS_TEST_SELECT,
+# below). The runs name a shared lock file (KS_TEST_PROCESS_LOCK): a process test holds it shared,
+# and a test that bounds a time (`_TIMED_TESTS`) holds it alone, so that its bound never depends
+# on another backend's processes.
 _PROCESS_TESTS = (
     "tests/multi_worker/test_multi_worker_",
     "tests/test_launch.py::",
@@ -72,11 +73,21 @@ _PROCESS_TESTS = (
 )
 
 
+_TIMED_TESTS = (
+    "tests/multi_worker/test_multi_worker_recovery.py::",
+    "tests/multi_worker/test_multi_worker_config.py::test_watchdog_",
+    "tests/strategies/test_parameter_server.py::test_cluster_a_dead_parameter_server_",
+    "tests/coordinator/test_closure_queue.py::test_a_lost_parameter_server_",
+    "tests/coordinator/test_closure_queue.py::test_a_worker_that_never_comes_back_",
+    "tests/test_launch.py::test_timeout_",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """`KS_TEST_SELECT=in-process` keeps the tests that start no process, `processes` the others.
 
     `scripts/test_all_backends.py` runs each backend as two pytest runs: its tests that start no
-    process beside the other backends', and its process tests in one lane shared by the backends.
+    process beside the other backends', and its process tests in the lanes shared by the backends.
     """
     select = os.environ.get("KS_TEST_SELECT", "all")
     if select not in ("all", "in-process", "processes"):
@@ -92,12 +103,22 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    """Holds the shared lock for a process test: shared, or alone for a test that bounds a time.
+
+    A second file is a turnstile: a test waiting to hold the lock alone keeps new holders out
+    until the current ones are done, so that it never waits for a whole lane.
+    """
     lock_path = os.environ.get("KS_TEST_PROCESS_LOCK")
     if not lock_path or not item.nodeid.startswith(_PROCESS_TESTS):
         yield
         return
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    mode = fcntl.LOCK_EX if item.nodeid.startswith(_TIMED_TESTS) else fcntl.LOCK_SH
+    with open(lock_path + ".turnstile", "a") as turnstile, open(lock_path, "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, mode)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
         try:
             yield
         finally:
