@@ -212,7 +212,8 @@ class WorkerActor:
         if function_bytes is not None:
             self.functions[function_key] = transport.loads(function_bytes)
         fn = self.functions[function_key]
-        args, kwargs = transport.loads(call_bytes)
+        with _worker_index(self.index):  # per-worker datasets are built while the arguments load
+            args, kwargs = transport.loads(call_bytes)
         keys = [k for k in transport.WORKER_VARIABLES if k in self.layout]
         snapshot = self._pull(keys)
         self.context.closure = (closure_id, snapshot, [0])
