@@ -290,17 +290,23 @@ def _tutorial_custom_loop(strategy, weights, steps):
     return model, optimizer, train_loss, coordinator, remote
 
 
-def test_ray_custom_loop_with_one_worker_equals_one_device(ray_engine):
+@pytest.mark.parametrize("num_ps, shards", [(1, None), (2, 3)], ids=["1ps", "2ps-3shards"])
+def test_ray_custom_loop_with_one_worker_equals_one_device(ray_engine, num_ps, shards):
     weights = _ray_model().get_weights()
     expected_model = _ray_model()
     expected_model.set_weights(weights)
     expected_optimizer = keras.optimizers.Adam(0.05)
     expected_losses = train(expected_model, expected_optimizer, RAY_LOSS, RAY_BATCHES)
 
-    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
-    strategy = ks.ParameterServerStrategy(resolver(cluster))
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": [f"127.0.0.1:{3 + i}" for i in range(num_ps)]}
+    partitioner = ks.experimental.partitioners.FixedShardsPartitioner(shards) if shards else None
+    strategy = ks.ParameterServerStrategy(resolver(cluster), variable_partitioner=partitioner)
     assert strategy.num_replicas_in_sync == 1
     model, optimizer, train_loss, coordinator, remote = _tutorial_custom_loop(strategy, weights, len(RAY_BATCHES))
+    registry = strategy.extended._runtime.registry
+    kernel_pieces = registry.layout[registry.keys[id(model.layers[0].kernel)]]
+    assert len(kernel_pieces) == (shards or 1)
+    assert {piece[0] for layout in registry.layout.values() for piece in layout} == set(range(num_ps))
     assert all(isinstance(value, ks.coordinator.RemoteValue) for value in remote)
     np.testing.assert_allclose([float(v.fetch()) for v in remote], expected_losses, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(coordinator.fetch(remote), expected_losses, rtol=1e-5, atol=1e-5)
