@@ -333,23 +333,38 @@ def test_ray_custom_loop_with_two_workers_applies_every_step_once(ray_engine):
     assert np.mean(losses[-6:]) < 0.5 * np.mean(losses[:6])
 
 
-def test_ray_fit_with_one_worker_equals_one_device(ray_engine):
+@pytest.mark.parametrize("data", ["arrays", "dataset", "dataset_function"])
+def test_ray_fit_with_one_worker_equals_one_device(ray_engine, data):
+    import tensorflow as tf
+
     weights = _ray_model().get_weights()
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((RAY_ROWS, RAY_TARGETS)).batch(8)
 
     def fit(strategy=None):
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             model = _ray_model()
             model.set_weights(weights)
             model.compile(keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
-        history = model.fit(RAY_ROWS, RAY_TARGETS, batch_size=8, epochs=2, shuffle=False, verbose=0)
-        return model, history.history
+        if data == "arrays":
+            history = model.fit(RAY_ROWS, RAY_TARGETS, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        elif data == "dataset":  # a tf.data.Dataset object: its graph is rebuilt on the worker
+            history = model.fit(dataset(), epochs=2, verbose=0)
+        else:  # a dataset function (on one device: the dataset it builds)
+            x = (lambda context: dataset().repeat()) if strategy is not None else dataset().repeat()
+            history = model.fit(x, epochs=2, steps_per_epoch=6, verbose=0)
+        return model, history.history, model.evaluate(RAY_ROWS, RAY_TARGETS, verbose=0), model.predict(
+            RAY_ROWS, verbose=0)
 
-    expected_model, expected_history = fit()
+    expected_model, expected_history, expected_evaluation, expected_predictions = fit()
     cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
-    model, history = fit(ks.ParameterServerStrategy(resolver(cluster)))
+    model, history, evaluation, predictions = fit(ks.ParameterServerStrategy(resolver(cluster)))
     assert sorted(history) == sorted(expected_history) == ["loss", "mae"]
     for key in history:
         np.testing.assert_allclose(history[key], expected_history[key], rtol=1e-5, atol=1e-5)
     for actual, expected in zip(model.get_weights(), expected_model.get_weights()):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
     assert int(model.optimizer.iterations.numpy()) == 2 * 6
+    np.testing.assert_allclose(evaluation, expected_evaluation, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(predictions, expected_predictions, rtol=1e-5, atol=1e-5)
