@@ -46,6 +46,27 @@ def gpus():
     return found[:2]
 
 
+@pytest.fixture(scope="session")
+def shared_ray_runtime():
+    """The Ray engine on 127.0.0.1 with 3 parameter-server and 2 worker actors, once per test run.
+
+    Every `ks.ParameterServerStrategy` of the run (JAX, PyTorch) starts over on the
+    first few of these actors, and the coordinator tests use them directly.
+    """
+    ray = pytest.importorskip("ray", reason="the Ray engine needs `pip install ray`")
+    from keras_strategies.backend.common.ray_parameter_server import connect, runtime
+
+    started = not ray.is_initialized()
+    runtime.ensure_ray()
+    spec = {"chief": ["127.0.0.1:1"], "ps": [f"127.0.0.1:{10 + i}" for i in range(3)],
+            "worker": [f"127.0.0.1:{20 + i}" for i in range(2)]}
+    shared = connect(spec, "chief", 0, None)
+    yield shared
+    shared.shutdown()
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
     """Each test starts from the same seed and an empty Keras session.
@@ -69,6 +90,7 @@ _PROCESS_TESTS = (
     "tests/distribute/test_devices.py::test_environment_variable_and_function_in_a_fresh_process",
     "tests/test_readme.py::",
     "tests/strategies/test_parameter_server.py::test_cluster_",
+    "tests/strategies/test_parameter_server.py::test_ray_",
     "tests/coordinator/",
 )
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from keras_strategies.backend.common.remote_errors import WorkerUnavailableError
 from keras_strategies.coordinator.remote_value import CancelledError, RemoteValue
-from keras_strategies.coordinator.values import PerWorkerDataset, PerWorkerValues, WorkerResource
+from keras_strategies.coordinator.values import GraphDataset, PerWorkerDataset, PerWorkerValues, WorkerResource
 
 
 class _Closure:
@@ -122,6 +122,8 @@ class ClosureQueue:
         if isinstance(dataset_or_fn, PerWorkerDataset):
             return dataset_or_fn
         fn = getattr(dataset_or_fn, "_ks_dataset_fn", None) or dataset_or_fn
+        if not callable(fn) and hasattr(fn, "_as_serialized_graph"):
+            fn = GraphDataset(fn)  # a tf.data.Dataset: its graph is sent and rebuilt on each worker
         if not callable(fn):
             raise ValueError(
                 f"create_per_worker_dataset needs a function that builds the dataset (each worker calls it to "

@@ -8,69 +8,13 @@ retries and failure handling), on the other backends to the closure queue of
 
 from __future__ import annotations
 
-import abc
-import importlib
 from typing import Any, Callable, Optional
 
 from keras.src import tree
 
-_QUEUE_MODULE = "keras_strategies.coordinator.closure_queue"
-
-
-def _closure_queue(workers: list) -> Any:
-    try:
-        module = importlib.import_module(_QUEUE_MODULE)
-    except ModuleNotFoundError as error:
-        if error.name != _QUEUE_MODULE:
-            raise
-        raise RuntimeError(
-            "ks.coordinator.ClusterCoordinator is not yet available on this backend: it needs the "
-            "closure queue of the Ray engine (pip install keras-strategies[ray]); on TensorFlow it "
-            "uses TensorFlow's own coordinator."
-        ) from error
-    return module.ClosureQueue(workers)
-
-
-try:
-    from keras_strategies.coordinator.remote_value import RemoteValue
-except ModuleNotFoundError as _error:
-    if _error.name != "keras_strategies.coordinator.remote_value":
-        raise
-
-    class RemoteValue(abc.ABC):  # type: ignore[no-redef]
-        """The value of a scheduled function, as `tf.distribute.experimental.coordinator.RemoteValue`.
-
-        Examples:
-            ```python
-            loss = coordinator.schedule(step_fn, args=(per_worker_iterator,))
-            coordinator.join()
-            print(loss.fetch())
-            ```
-        """
-
-        @abc.abstractmethod
-        def fetch(self) -> Any:
-            """Waits for the value and returns it as NumPy."""
-
-        @abc.abstractmethod
-        def get(self) -> Any:
-            """Waits for the value and returns it."""
-
-try:
-    from keras_strategies.coordinator.values import PerWorkerValues
-except ModuleNotFoundError as _error:
-    if _error.name != "keras_strategies.coordinator.values":
-        raise
-
-    class PerWorkerValues(abc.ABC):  # type: ignore[no-redef]
-        """One value per worker, such as the iterators of a per-worker dataset.
-
-        Examples:
-            ```python
-            per_worker_iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-            coordinator.schedule(step_fn, args=(per_worker_iterator,))  # each worker reads its own
-            ```
-        """
+from keras_strategies.coordinator.closure_queue import ClosureQueue
+from keras_strategies.coordinator.remote_value import RemoteValue
+from keras_strategies.coordinator.values import PerWorkerValues
 
 
 def remote_value_types(strategy: Any = None) -> tuple:
@@ -83,9 +27,8 @@ def remote_value_types(strategy: Any = None) -> tuple:
 
 def _register_engine_types(runtime: Any) -> None:
     """`isinstance(value, ks.coordinator.RemoteValue)` holds for the engine's own values too."""
-    if isinstance(RemoteValue, abc.ABCMeta):
-        for cls in getattr(runtime, "remote_value_types", ()):
-            RemoteValue.register(cls)
+    for cls in getattr(runtime, "remote_value_types", ()):
+        RemoteValue.register(cls)
 
 
 class ClusterCoordinator:
@@ -125,7 +68,7 @@ class ClusterCoordinator:
         native = runtime.native_coordinator()
         _register_engine_types(runtime)
         coordinator._strategy = strategy
-        coordinator._impl = native if native is not None else _closure_queue(runtime.workers())
+        coordinator._impl = native if native is not None else ClosureQueue(runtime.workers())
         strategy._ks_coordinator = coordinator
         return coordinator
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import threading
 from typing import Any, Optional
 
@@ -10,13 +11,15 @@ class CancelledError(RuntimeError):
     """A scheduled closure did not run because an earlier closure failed."""
 
 
-class RemoteValue:
+class RemoteValue(metaclass=abc.ABCMeta):
     """The value a scheduled function returns, available once a worker has run it.
 
     `fetch()` waits for the closure and returns its result as NumPy values
     (nested structures keep their shape); `get()` returns the same. If the
     closure failed, both raise its error; if it was cancelled because an
-    earlier closure failed, both raise `CancelledError`.
+    earlier closure failed, both raise `CancelledError`. On TensorFlow, `schedule`
+    returns TensorFlow's own remote values, which are registered as instances of
+    this class.
     """
 
     def __init__(self) -> None:

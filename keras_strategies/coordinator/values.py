@@ -76,6 +76,34 @@ class PerWorkerDataset:
         return f"<PerWorkerDataset on {len(self._datasets)} workers>"
 
 
+class GraphDataset:
+    """A `tf.data.Dataset` as a picklable function that rebuilds it from its graph (on a worker).
+
+    Datasets whose functions hold Python state (`py_function`, generators) have no
+    graph to send: build those inside a dataset function instead.
+    """
+
+    def __init__(self, dataset: Any):
+        import tensorflow as tf
+
+        try:
+            graph = dataset._as_serialized_graph(
+                external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL)
+        except Exception as error:  # noqa: BLE001 - TensorFlow raises several kinds here
+            raise ValueError(
+                "This tf.data.Dataset cannot be sent to the workers (it holds state of the chief's Python "
+                f"process: {error}). Pass a function that builds the dataset instead."
+            ) from error
+        self.graph = graph.numpy()
+        self.element_spec = dataset.element_spec
+
+    def __call__(self) -> Any:
+        import tensorflow as tf
+
+        return tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=self.graph),
+                                                 structure=self.element_spec)
+
+
 class _Bound:
     """`fn(argument)` as a picklable callable without arguments."""
 

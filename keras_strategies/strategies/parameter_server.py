@@ -139,7 +139,61 @@ class ParameterServerStrategy(Strategy):
         """Combines the per-replica results of `run` (inside a scheduled function, on the worker)."""
         return self._extended._reduce(ReduceOp.parse(reduce_op), value, axis)
 
+    def _ks_worker_copy(self) -> "WorkerStrategy":
+        """What a scheduled function that captures the strategy sees on a worker (engines that
+        send closures to their workers, such as Ray's, replace the strategy with it)."""
+        return WorkerStrategy(self._extended._num_workers)
+
     def __repr__(self) -> str:
         spec = self._extended._cluster_spec
         return (f"ParameterServerStrategy(workers={spec.num_tasks('worker')}, "
                 f"ps={spec.num_tasks('ps')})")
+
+
+class WorkerStrategy:
+    """The strategy inside a scheduled function on a worker: one replica, the worker's own input.
+
+    `run(fn, args, kwargs)` calls `fn` (the worker's one replica); `reduce` of its
+    value over replicas is the value (reduced along `axis` when given).
+    """
+
+    num_replicas_in_sync = 1
+
+    def __init__(self, num_workers: int):
+        self._num_workers = num_workers
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """Runs `fn` on this worker's one replica."""
+        return fn(*(args or ()), **(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Optional[int]) -> Any:
+        """One replica's `value`; with `axis`, summed or averaged along it."""
+        op = ReduceOp.parse(reduce_op)
+        if axis is None:
+            return value
+        import keras
+
+        reduce = keras.ops.sum if op == ReduceOp.SUM else keras.ops.mean
+        return keras.tree.map_structure(lambda v: reduce(v, axis=axis), value)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Nothing to place on a worker: its variables are copies of the parameter servers'."""
+        return contextlib.nullcontext()
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """This worker's dataset as it is (its one replica reads every element)."""
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """`dataset_fn(InputContext)` with this worker's input pipeline."""
+        from keras_strategies.coordinator import experimental_get_current_worker_index
+        from keras_strategies.input.options import InputContext
+
+        context_ = InputContext(num_input_pipelines=self._num_workers,
+                                input_pipeline_id=experimental_get_current_worker_index(), num_replicas_in_sync=1)
+        return dataset_fn(context_)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    def __repr__(self) -> str:
+        return f"WorkerStrategy(workers={self._num_workers})"

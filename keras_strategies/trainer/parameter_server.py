@@ -15,6 +15,7 @@ import math
 import threading
 from typing import Any, Callable, Iterator, Optional
 
+import keras
 import numpy as np
 from keras.src import callbacks as callbacks_module
 from keras.src import optimizers as optimizers_module
@@ -154,13 +155,37 @@ def _make_train_function(model: Any, strategy: Any, steps: int) -> Callable:
     """One closure: `steps` training steps on the worker that runs it; returns the last logs."""
     runtime = strategy.extended._runtime
 
+    # Keras' JAX `train_step` is stateless (it returns new values instead of applying them), so
+    # on JAX the step is written with `ks.value_and_grad` and `optimizer.apply_gradients`.
+    train_step = _stateful_train_step(model) if keras.backend.backend() == "jax" else model.train_step
+
     def train_function(iterator: Any) -> Any:
         logs = None
         for _ in range(steps):
-            logs = strategy.run(model.train_step, args=(next(iterator),))
+            logs = strategy.run(train_step, args=(next(iterator),))
         return logs
 
     return runtime.compile(train_function)
+
+
+def _stateful_train_step(model: Any) -> Callable:
+    """Keras' training step (loss, gradients, `optimizer.apply_gradients`, metrics) applied in place."""
+    from keras_strategies.distribute.functions import value_and_grad
+
+    def train_step(data: Any) -> Any:
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+
+        def compute() -> tuple:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            return loss, y_pred
+
+        (loss, y_pred), grads = value_and_grad(compute, model.trainable_variables)
+        model._loss_tracker.update_state(loss, sample_weight=tree.flatten(x)[0].shape[0])
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return model.compute_metrics(x, y, y_pred, sample_weight)
+
+    return train_step
 
 
 def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Optional[int] = None, epochs: int = 1,

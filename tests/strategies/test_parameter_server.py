@@ -6,16 +6,20 @@ processes, on 127.0.0.1) serve a chief program per scenario: the chief is a
 process of its own because a process coordinates one cluster.
 """
 
+import contextlib
+import itertools
 import json
 import os
 import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 import keras_strategies as ks
 from keras_strategies.launcher.tf_config import free_ports
+from reference_loops import average_loss, split, squared_error, train
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "ps_programs")
 BACKEND = keras.backend.backend()
@@ -221,3 +225,149 @@ def test_cluster_a_dead_parameter_server_is_reported_by_name_in_bounded_time(ps_
     result = ps_failure["ps_failure"]
     assert result["error"] is not None and result["seconds"] < 30, result
     assert "/job:ps/replica:0/task:0" in result["error"][1], result["error"]
+
+
+# --- the Ray engine (JAX, PyTorch): the public API over the run's shared Ray runtime ----------
+
+RAY_ROWS = np.random.RandomState(0).normal(size=(48, 4)).astype("float32")
+RAY_TARGETS = (RAY_ROWS @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.25).astype("float32")
+RAY_BATCHES = split((RAY_ROWS, RAY_TARGETS), 8, steps=9)
+RAY_LOSS = average_loss(squared_error)
+
+
+@pytest.fixture
+def ray_engine(request):
+    if BACKEND == "tensorflow":
+        pytest.skip("TensorFlow trains with its own runtime (the cluster tests above)")
+    return request.getfixturevalue("shared_ray_runtime")
+
+
+def _ray_model():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(1)])
+
+
+def _tutorial_custom_loop(strategy, weights, steps):
+    """TensorFlow's parameter-server custom-loop tutorial, with `ks.value_and_grad` and `ks.function`."""
+    with strategy.scope():
+        model = _ray_model()
+        model.set_weights(weights)
+        optimizer = keras.optimizers.Adam(0.05)
+        optimizer.build(model.trainable_variables)
+        train_loss = keras.metrics.Mean()
+
+    workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
+
+    def dataset_fn(input_context):
+        assert input_context.num_input_pipelines == workers
+        assert input_context.input_pipeline_id == ks.coordinator.experimental_get_current_worker_index()
+        return itertools.cycle(RAY_BATCHES)
+
+    @ks.function
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    coordinator = ks.coordinator.ClusterCoordinator(strategy)
+    per_worker_dataset = coordinator.create_per_worker_dataset(per_worker_dataset_fn)
+    per_worker_iterator = iter(per_worker_dataset)
+
+    @ks.function
+    def step_fn(iterator):
+        def replica_fn(batch):
+            def compute_loss():
+                x, y = (keras.ops.convert_to_tensor(a) for a in batch)
+                return RAY_LOSS((x, y), model(x, training=True), model.losses)
+
+            loss, grads = ks.value_and_grad(compute_loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            train_loss.update_state(loss)
+            return loss
+
+        losses = strategy.run(replica_fn, args=(next(iterator),))
+        return strategy.reduce("SUM", losses, axis=None)
+
+    remote = [coordinator.schedule(step_fn, args=(per_worker_iterator,)) for _ in range(steps)]
+    coordinator.join()
+    return model, optimizer, train_loss, coordinator, remote
+
+
+@pytest.mark.parametrize("num_ps, shards", [(1, None), (2, 3)], ids=["1ps", "2ps-3shards"])
+def test_ray_custom_loop_with_one_worker_equals_one_device(ray_engine, num_ps, shards):
+    weights = _ray_model().get_weights()
+    expected_model = _ray_model()
+    expected_model.set_weights(weights)
+    expected_optimizer = keras.optimizers.Adam(0.05)
+    expected_losses = train(expected_model, expected_optimizer, RAY_LOSS, RAY_BATCHES)
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": [f"127.0.0.1:{3 + i}" for i in range(num_ps)]}
+    partitioner = ks.experimental.partitioners.FixedShardsPartitioner(shards) if shards else None
+    strategy = ks.ParameterServerStrategy(resolver(cluster), variable_partitioner=partitioner)
+    assert strategy.num_replicas_in_sync == 1
+    model, optimizer, train_loss, coordinator, remote = _tutorial_custom_loop(strategy, weights, len(RAY_BATCHES))
+    registry = strategy.extended._runtime.registry
+    kernel_pieces = registry.layout[registry.keys[id(model.layers[0].kernel)]]
+    assert len(kernel_pieces) == (shards or 1)
+    assert {piece[0] for layout in registry.layout.values() for piece in layout} == set(range(num_ps))
+    assert all(isinstance(value, ks.coordinator.RemoteValue) for value in remote)
+    np.testing.assert_allclose([float(v.fetch()) for v in remote], expected_losses, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(coordinator.fetch(remote), expected_losses, rtol=1e-5, atol=1e-5)
+    for actual, expected in zip(model.get_weights(), expected_model.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    for actual, expected in zip(optimizer.variables, expected_optimizer.variables):
+        np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert int(optimizer.iterations.numpy()) == len(RAY_BATCHES)
+    np.testing.assert_allclose(float(train_loss.result()), np.mean(expected_losses), rtol=1e-5)
+    assert ks.coordinator.ClusterCoordinator(strategy) is coordinator
+
+
+def test_ray_custom_loop_with_two_workers_applies_every_step_once(ray_engine):
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"],
+               "ps": ["127.0.0.1:4", "127.0.0.1:5"]}
+    strategy = ks.ParameterServerStrategy(resolver(cluster))
+    steps = 30
+    model, optimizer, train_loss, coordinator, remote = _tutorial_custom_loop(
+        strategy, _ray_model().get_weights(), steps)
+    assert coordinator.done()
+    assert int(optimizer.iterations.numpy()) == steps
+    assert float(train_loss.count.numpy()) == steps
+    losses = [float(v.fetch()) for v in remote]
+    assert np.mean(losses[-6:]) < 0.5 * np.mean(losses[:6])
+
+
+@pytest.mark.parametrize("data", ["arrays", "dataset", "dataset_function"])
+def test_ray_fit_with_one_worker_equals_one_device(ray_engine, data):
+    import tensorflow as tf
+
+    weights = _ray_model().get_weights()
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((RAY_ROWS, RAY_TARGETS)).batch(8)
+
+    def fit(strategy=None):
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = _ray_model()
+            model.set_weights(weights)
+            model.compile(keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+        if data == "arrays":  # two calls: the second continues from the first
+            history = model.fit(RAY_ROWS, RAY_TARGETS, batch_size=8, epochs=1, shuffle=False, verbose=0)
+            second = model.fit(RAY_ROWS, RAY_TARGETS, batch_size=8, epochs=1, shuffle=False, verbose=0)
+            for key, values in second.history.items():
+                history.history[key] += values
+        elif data == "dataset":  # a tf.data.Dataset object: its graph is rebuilt on the worker
+            history = model.fit(dataset(), epochs=2, verbose=0)
+        else:  # a dataset function (on one device: the dataset it builds)
+            x = (lambda context: dataset().repeat()) if strategy is not None else dataset().repeat()
+            history = model.fit(x, epochs=2, steps_per_epoch=6, verbose=0)
+        return model, history.history, model.evaluate(RAY_ROWS, RAY_TARGETS, verbose=0), model.predict(
+            RAY_ROWS, verbose=0)
+
+    expected_model, expected_history, expected_evaluation, expected_predictions = fit()
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    model, history, evaluation, predictions = fit(ks.ParameterServerStrategy(resolver(cluster)))
+    assert sorted(history) == sorted(expected_history) == ["loss", "mae"]
+    for key in history:
+        np.testing.assert_allclose(history[key], expected_history[key], rtol=1e-5, atol=1e-5)
+    for actual, expected in zip(model.get_weights(), expected_model.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    assert int(model.optimizer.iterations.numpy()) == 2 * 6
+    np.testing.assert_allclose(evaluation, expected_evaluation, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(predictions, expected_predictions, rtol=1e-5, atol=1e-5)

@@ -212,7 +212,8 @@ class WorkerActor:
         if function_bytes is not None:
             self.functions[function_key] = transport.loads(function_bytes)
         fn = self.functions[function_key]
-        args, kwargs = transport.loads(call_bytes)
+        with _worker_index(self.index):  # per-worker datasets are built while the arguments load
+            args, kwargs = transport.loads(call_bytes)
         keys = [k for k in transport.WORKER_VARIABLES if k in self.layout]
         snapshot = self._pull(keys)
         self.context.closure = (closure_id, snapshot, [0])
@@ -320,6 +321,12 @@ class WorkerActor:
             for shard, start, stop, pid in self.layout[vkey]:
                 by_shard[shard][pid] = value if start is None else value[start:stop]
         self._call_shards([(s, "apply", (key, token, g)) for s, g in sorted(by_shard.items())])
+        for variable in variables:
+            # PyTorch keeps gradients on the tensors; a Keras train step clears those of its own
+            # model's module, which on a worker may be another copy: clear them once applied.
+            value = getattr(variable, "value", None)
+            if getattr(value, "grad", None) is not None:
+                value.grad = None
         fresh = [k for k in spec["variables"] if k in self.transport.WORKER_VARIABLES]
         snapshot.update(self._pull(fresh))
 

@@ -176,6 +176,7 @@ class Runtime:
         if not self.num_workers:
             raise ValueError("ParameterServerStrategy needs at least one `worker` task in the cluster spec; it has none.")
         self.task_type, self.task_id = task_type, task_id
+        self.address = address
         ensure_ray(address)
         self.backend = keras.backend.backend()
         self.registry = Registry(self.num_ps, partitioner)
@@ -228,6 +229,10 @@ class Runtime:
 
     def shutdown(self) -> None:
         """Stops the actors (the Ray runtime stays up for the next strategy)."""
+        from keras_strategies.backend.common import ray_parameter_server
+
+        if self in ray_parameter_server._LIVE:
+            ray_parameter_server._LIVE.remove(self)
         for actor in [h.actor for h in self._all_handles] + self.shards:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
@@ -245,6 +250,34 @@ class Runtime:
 
     def workers(self) -> WorkerPool:
         return self._pool
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """One replica per worker task, as TensorFlow's strategy has on CPU workers."""
+        return 1
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Closures run eagerly on the workers (Keras variables are stateful)."""
+        return fn
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """`strategy.run` on the chief: the one replica is the caller (workers use the worker copy)."""
+        return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op: str, value: Any, axis: Optional[int]) -> Any:
+        """One replica's value: reducing over replicas leaves it; `axis` reduces along that axis too."""
+        return reduce_one_replica(reduce_op, value, axis)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """The dataset itself: each worker iterates its own copy (call it in the per-worker dataset function)."""
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+        """Datasets are built on the workers: this is called there, by the strategy's worker copy."""
+        raise RuntimeError(
+            "distribute_datasets_from_function builds a dataset on each worker: call it inside the function "
+            "passed to `coordinator.create_per_worker_dataset(...)` (it runs on every worker), or pass "
+            "`dataset_fn` to `create_per_worker_dataset` directly.")
 
     # -- values ------------------------------------------------------------------------------
 
@@ -288,6 +321,17 @@ class Runtime:
 
     def __reduce__(self):
         return (_no_runtime, ())
+
+
+def reduce_one_replica(reduce_op: str, value: Any, axis: Optional[int]) -> Any:
+    """`strategy.reduce` over one replica: the value, reduced along `axis` when one is given."""
+    op = str(reduce_op).upper()
+    if op not in ("SUM", "MEAN"):
+        raise ValueError(f"reduce_op must be 'SUM' or 'MEAN', got {reduce_op!r}.")
+    if axis is None:
+        return value
+    reduce = keras.ops.sum if op == "SUM" else keras.ops.mean
+    return keras.tree.map_structure(lambda v: reduce(v, axis=axis), value)
 
 
 def _no_runtime() -> None:
