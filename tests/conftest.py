@@ -95,6 +95,14 @@ _PROCESS_TESTS = (
 )
 
 
+# The tests on the run's one Ray runtime (`shared_ray_runtime`) run last, so that it lives (and
+# loads the machine) only while they run.
+_RAY_TESTS = (
+    "tests/strategies/test_parameter_server.py::test_ray_",
+    "tests/coordinator/",
+)
+
+
 _TIMED_TESTS = (
     "tests/multi_worker/test_multi_worker_recovery.py::",
     "tests/multi_worker/test_multi_worker_config.py::test_watchdog_",
@@ -111,6 +119,7 @@ def pytest_collection_modifyitems(config, items):
     `scripts/test_all_backends.py` runs each backend as two pytest runs: its tests that start no
     process beside the other backends', and its process tests in the lanes shared by the backends.
     """
+    items.sort(key=lambda item: item.nodeid.startswith(_RAY_TESTS))  # stable: Ray's tests last
     select = os.environ.get("KS_TEST_SELECT", "all")
     if select not in ("all", "in-process", "processes"):
         raise pytest.UsageError(f"KS_TEST_SELECT must be all, in-process or processes; got {select!r}.")
