@@ -179,12 +179,7 @@ class ClosureQueue:
                 closure.remote_value._set_error(error)
                 with self._lock:
                     self._in_flight -= 1
-                    if self._error is None:
-                        self._error = error
-                    for queued in self._queue:
-                        queued.remote_value._set_error(_cancelled(error))
-                    self._queue.clear()
-                    self._lock.notify_all()
+                    self._fail_queued(error)
                 continue
             closure.remote_value._set_value(result)
             with self._lock:
@@ -205,13 +200,17 @@ class ClosureQueue:
                 with self._lock:
                     if self._stopped:
                         return False
-                    if self._error is None:
-                        self._error = error
-                    for queued in self._queue:
-                        queued.remote_value._set_error(_cancelled(error))
-                    self._queue.clear()
-                    self._lock.notify_all()
+                    self._fail_queued(error)
                     self._lock.wait(1.0)  # then ask again, unless the queue stops meanwhile
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Keeps the first error for `join`/`done`/`schedule` and cancels the queued closures (lock held)."""
+        if self._error is None:
+            self._error = error
+        for queued in self._queue:
+            queued.remote_value._set_error(_cancelled(error))
+        self._queue.clear()
+        self._lock.notify_all()
 
     # -- helpers ---------------------------------------------------------------------------
 
