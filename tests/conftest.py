@@ -53,7 +53,7 @@ def shared_ray_runtime():
     Every `ks.ParameterServerStrategy` of the run (JAX, PyTorch) starts over on the
     first few of these actors, and the coordinator tests use them directly.
     """
-    ray = pytest.importorskip("ray", reason="the Ray engine needs `pip install ray`")
+    import ray  # a pinned test requirement (requirements-dev.txt)
     from keras_strategies.backend.common.ray_parameter_server import connect, runtime
 
     started = not ray.is_initialized()

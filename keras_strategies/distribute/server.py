@@ -9,17 +9,12 @@ from keras_strategies.backend import backend_name
 
 
 def parameter_server_engine() -> Any:
-    """The backend's parameter-server engine module, or a RuntimeError naming what to install."""
-    name = backend_name()
-    module = f"keras_strategies.backend.{name}.parameter_server"
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        if error.name not in (module, "ray"):
-            raise
-        raise RuntimeError(
-            f"ParameterServerStrategy on {name} needs the Ray engine: pip install keras-strategies[ray]"
-        ) from error
+    """The backend's parameter-server engine module (`backend/<name>/parameter_server.py`).
+
+    Looked up when first needed: the Ray engine of JAX and PyTorch imports Ray only when a
+    runtime starts, and says what to install when it is missing.
+    """
+    return importlib.import_module(f"keras_strategies.backend.{backend_name()}.parameter_server")
 
 
 class Server:

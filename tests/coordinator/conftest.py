@@ -2,9 +2,7 @@
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the coordinator's Ray engine needs `pip install ray`")
-
-from ray_cluster import SHARED  # noqa: E402
+from ray_cluster import SHARED
 
 
 @pytest.fixture(scope="session")
