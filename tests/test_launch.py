@@ -670,3 +670,25 @@ def test_start_servers_rejects_bad_values(job, tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         start_servers(str(tmp_path / "missing.py"))
     assert not job.recorded_pids()  # nothing was started
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's")
+def test_start_servers_tasks_stop_when_the_caller_is_killed(job, tmp_path):
+    caller = tmp_path / "chief.py"
+    caller.write_text(textwrap.dedent(f"""
+        import sys, time, types
+        package = types.ModuleType("keras_strategies")  # the launcher alone, without Keras: a fast start
+        package.__path__ = [{str(REPO_ROOT / "keras_strategies")!r}]
+        sys.modules["keras_strategies"] = package
+        from keras_strategies.launcher.serving import start_servers
+        start_servers(sys.argv[1], [sys.argv[2]], workers=1, ps=1)
+        time.sleep(60)
+    """))
+    chief = subprocess.Popen([sys.executable, str(caller), job.path, json.dumps({"*": {"do": "serve"}})],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        job.wait_for_files(["worker-0.ready", "ps-0.ready"])
+    finally:
+        chief.kill()  # SIGKILL: no exit handler of the caller runs
+        chief.wait()
+    _assert_all_gone(job)

@@ -24,7 +24,8 @@ class Servers:
     """The running worker and ps tasks of a cluster whose chief is the caller (see `start_servers`).
 
     Stop them with `stop()`, or use the object as a context manager; they are
-    also stopped when the caller's interpreter exits.
+    also stopped when the caller's interpreter exits, and on Linux when the
+    caller dies in any way (a notebook kernel that is killed, say).
     """
 
     def __init__(self, tasks: Sequence[WorkerProcess], tf_config: dict, grace: float,
@@ -86,9 +87,11 @@ def start_servers(
     `ks.Server(...).join()`. Nothing runs the chief: the caller takes the
     chief's `TF_CONFIG` (`servers.tf_config`) and creates the
     `ks.ParameterServerStrategy` itself. Returns at once; the tasks run
-    until `stop()` (or the caller's exit). Their output lines are prefixed
-    with the task (`"[ps 0] "`); a task that ends before `stop()` is
-    reported on `stderr`.
+    until `stop()` or the caller's exit (on Linux they get SIGTERM when the
+    caller dies, even by SIGKILL: call this from the main thread, or from a
+    thread that lives as long as the tasks should). Their output lines are
+    prefixed with the task (`"[ps 0] "`); a task that ends before `stop()`
+    is reported on `stderr`.
 
     Args:
         script: The script's path, or a module name with `module=True`.
@@ -147,7 +150,8 @@ def start_servers(
         for index in range(1, 1 + workers + ps):
             config = tf_config_for(index, ports, chief=True, ps=ps)
             tasks.append(WorkerProcess(task_name(config["task"]), command,
-                                       worker_env(config, backend, devices_per_worker, env), out, err, on_exit))
+                                       worker_env(config, backend, devices_per_worker, env), out, err, on_exit,
+                                       stop_with_parent=True))
     except BaseException:
         stopping.set()
         stop_all(tasks, grace)
