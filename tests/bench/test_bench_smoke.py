@@ -56,7 +56,8 @@ def test_mirrored_step_time_smoke():
     assert [row[:2] for row in rows] == [[BACKEND, devices]], rows
     ours, baseline, ratio = rows[0][2], rows[0][4], rows[0][5]
     assert is_number(ours) and is_number(baseline) and is_number(ratio), rows
-    assert table(output, "| backend | devices | train_step ms |")[0][0] == BACKEND  # the breakdown ran
+    if devices != "1":  # one device runs Keras' own train step, which has no pieces of ours to time
+        assert table(output, "| backend | devices | train_step ms |")[0][0] == BACKEND  # the breakdown ran
 
 
 def test_multi_worker_step_time_smoke():
