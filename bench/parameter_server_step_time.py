@@ -248,23 +248,59 @@ class RawParameterServer:
 
 def _ray_round_trip_closure(variables: list, optimizer, raw_name: str, iters: int) -> dict:
     """Runs on the worker: ours (`optimizer.apply_gradients`) and raw (`ray.get` of a plain actor's
-    apply + read), interleaved; seconds per call of each."""
+    apply + read), interleaved; seconds per call of each, and where ours spends its time.
+
+    The worker actor's calls to the shards (`_call_shards`: the shard's `apply`, then its `read`)
+    are timed, in this process only; the rest of ours is the worker's own work (gradients to
+    NumPy, split by the layout, the values read assigned to its variables).
+    """
     import keras
     import numpy as np
     import ray
+    from keras.src.optimizers import base_optimizer
 
     raw = ray.get_actor(raw_name)
     grads_np = [np.full(tuple(v.shape), 1e-3, "float32") for v in variables]
     grads = [keras.ops.convert_to_tensor(g) for g in grads_np]
+    worker = getattr(base_optimizer.BaseOptimizer.apply, "_ks_worker", [None])[0]
+    calls: list = []  # per call of ours: {piece: seconds}, "total" included
 
     def ours():
+        calls.append({})
+        start = time.perf_counter()
         optimizer.apply_gradients(zip(grads, variables))
+        calls[-1]["total"] = time.perf_counter() - start
 
     def raw_call():
         ray.get(raw.apply.remote(grads_np))
         return ray.get(raw.read.remote())
 
-    return _interleaved({"ours": ours, "raw": raw_call}, iters)
+    if worker is not None and hasattr(worker, "_call_shards"):
+        call_shards = worker._call_shards
+
+        def timed(shard_calls):
+            start = time.perf_counter()
+            try:
+                return call_shards(shard_calls)
+            finally:
+                if calls:
+                    name = f"shard {shard_calls[0][1]}" if shard_calls else "shard (none)"
+                    calls[-1][name] = calls[-1].get(name, 0.0) + time.perf_counter() - start
+
+        worker._call_shards = timed
+    try:
+        times = _interleaved({"ours": ours, "raw": raw_call}, iters)
+    finally:
+        if worker is not None:
+            worker.__dict__.pop("_call_shards", None)
+    measured = calls[2:]  # after _interleaved's warm-up calls
+    pieces = {}
+    for name in sorted({name for call in measured for name in call if name != "total"}):
+        pieces[name] = 1e3 * statistics.median(call.get(name, 0.0) for call in measured)
+    if pieces:
+        pieces["on the worker"] = 1e3 * statistics.median(
+            call["total"] - sum(v for k, v in call.items() if k != "total") for call in measured)
+    return {"times": times, "pieces_ms": pieces}
 
 
 def _round_trip_ray(keras, ks, megabytes: float, iters: int) -> dict:
@@ -283,10 +319,10 @@ def _round_trip_ray(keras, ks, megabytes: float, iters: int) -> dict:
     try:
         ray.get(raw.read.remote())
         coordinator = ks.coordinator.ClusterCoordinator(strategy)
-        times = coordinator.schedule(_ray_round_trip_closure, args=(variables, optimizer, name, iters)).fetch()
+        measured = coordinator.schedule(_ray_round_trip_closure, args=(variables, optimizer, name, iters)).fetch()
     finally:
         ray.kill(raw)
-    return _round_trip_summary(times, shapes)
+    return _round_trip_summary(measured["times"], shapes) | {"ours_pieces_ms": measured["pieces_ms"]}
 
 
 def _round_trip_summary(times: dict, shapes: list) -> dict:
@@ -354,20 +390,19 @@ def run_job(args) -> None:
         configs = sorted(configs, key=lambda c: (-c[0] * c[1], -c[0]))
 
     x, y = _make_data(args.steps)
-    fits, round_trip, mirrored_model = [], None, None
+    fits, round_trip = [], None
     for workers, ps in configs:
         # First the strategy: on TensorFlow it connects this process to the cluster, after which
         # variables created before live on a device that is gone.
         strategy = _strategy(ks, args.backend, workers, ps)
-        if mirrored_model is None:
-            keras.utils.set_random_seed(0)
-            weights = _build_model(keras).get_weights()
-            with ks.MirroredStrategy(["cpu:0"]).scope():
-                mirrored_model = _build_model(keras, _mirrored_steps_per_execution(args.backend))
-            mirrored_model.set_weights(weights)
+        keras.utils.set_random_seed(0)
+        weights = _build_model(keras).get_weights()
         with strategy.scope():
             model = _build_model(keras)
         model.set_weights(weights)
+        with ks.MirroredStrategy(["cpu:0"]).scope():  # the same initial weights, trained alongside
+            mirrored_model = _build_model(keras, _mirrored_steps_per_execution(args.backend))
+        mirrored_model.set_weights(weights)
         runs = []
         for repeat in range(args.repeats):
             order = ("ps", "mirrored") if repeat % 2 == 0 else ("mirrored", "ps")
@@ -458,13 +493,15 @@ def _fmt(value, spec=".0f") -> str:
 def _median_range(values: list, spec: str = ".2f") -> str:
     if not values:
         return "—"
+    if spec == "ratio":  # two decimals, or two significant digits below 0.1
+        spec = ".2f" if min(values) >= 0.1 else ".2g"
     text = format(statistics.median(values), spec)
     return text + (f" ({format(min(values), spec)}–{format(max(values), spec)})" if len(values) > 1 else "")
 
 
 def table_rows(backend: str, results: list) -> tuple:
-    """Markdown rows for one backend's job results, and its errors."""
-    rows, errors = [], []
+    """Markdown rows for one backend's job results, its notes and its errors."""
+    rows, notes, errors = [], [], []
     for result in results:
         if "error" in result:
             errors.append(f"{backend}: {result['error']}")
@@ -476,7 +513,7 @@ def table_rows(backend: str, results: list) -> tuple:
             ratios = [a / b for a, b in zip(ours, base)]
             rows.append(
                 f"| {backend} | fit, {fit['workers']} worker(s) x {fit['ps']} ps: steps/s | {_median_range(ours, '.0f')} "
-                f"| ks.MirroredStrategy, 1 device | {_median_range(base, '.0f')} | {_median_range(ratios)} | — |"
+                f"| ks.MirroredStrategy, 1 device | {_median_range(base, '.0f')} | {_median_range(ratios, 'ratio')} | — |"
             )
         for_trip = result.get("round_trip") or []
         if for_trip:
@@ -490,9 +527,15 @@ def table_rows(backend: str, results: list) -> tuple:
                 f"| {backend} | round trip, {megabytes:.2f} MB read + update, 1 worker x 1 ps: ms "
                 f"({megabytes / statistics.median(ours) * 1e3:.0f} MB/s each way) | {_median_range(ours)} "
                 f"| {RAW_NAMES[backend]} ({megabytes / statistics.median(raw) * 1e3:.0f} MB/s) | {_median_range(raw)} "
-                f"| {_median_range(ratios)} | >= {TARGET:.2f}{met} |"
+                f"| {_median_range(ratios, 'ratio')} | >= {TARGET:.2f}{met} |"
             )
-    return rows, errors
+            pieces = [r["ours_pieces_ms"] for r in for_trip if r.get("ours_pieces_ms")]
+            if pieces:
+                names = sorted({name for piece in pieces for name in piece})
+                parts = {name: statistics.median(piece.get(name, 0.0) for piece in pieces) for name in names}
+                notes.append(f"{backend}: ours, median {statistics.median(ours):.2f} ms per round trip: "
+                             + ", ".join(f"{name} {ms:.2f} ms" for name, ms in parts.items()))
+    return rows, notes, errors
 
 
 def run_parent(args) -> int:
@@ -503,7 +546,7 @@ def run_parent(args) -> int:
     configs = parse_configs(args.configs)
     fingerprint = source_fingerprint(args.source)
     t0 = time.perf_counter()
-    rows, errors, loads, seconds = [], [], [], {}
+    rows, notes, errors, loads, seconds = [], [], [], [], {}
     for backend in backends:
         start = time.perf_counter()
         results = run_backend(backend, configs, args)
@@ -511,8 +554,9 @@ def run_parent(args) -> int:
         print(f"[{time.perf_counter() - t0:6.1f}s] {backend} done in {seconds[backend]:.1f}s", file=sys.stderr,
               flush=True)
         loads += [v for r in results for v in r.get("load_1min", [])]
-        backend_rows, backend_errors = table_rows(backend, results)
+        backend_rows, backend_notes, backend_errors = table_rows(backend, results)
         rows += backend_rows
+        notes += backend_notes
         errors += backend_errors
 
     print(f"Model of TensorFlow's parameter-server tutorial: Dense({UNITS}) on {FEATURES} features, SGD(0.01), MSE, "
@@ -528,6 +572,11 @@ def run_parent(args) -> int:
     print("| backend | measurement | ours | baseline | baseline value | ratio | target |")
     print("|---|---|---:|---|---:|---:|---|")
     print("\n".join(rows))
+    if notes:
+        print("\nWhere ours spends a round trip (medians; 'shard apply' and 'shard read': the worker's call to the "
+              "shard actor and the wait for it; 'on the worker': the rest, gradients to NumPy, the split by the "
+              "layout, the values read assigned to the worker's variables):\n")
+        print("\n".join(notes))
     if errors:
         print("\nErrors:\n" + "\n".join(errors))
     return 1 if errors else 0
