@@ -501,12 +501,12 @@ def _median_range(values: list, spec: str = ".2f") -> str:
 
 def table_rows(backend: str, results: list) -> tuple:
     """Markdown rows for one backend's job results, its notes and its errors."""
-    rows, notes, errors = [], [], []
+    rows, trip_rows, notes, errors = [], [], [], []
     for result in results:
         if "error" in result:
             errors.append(f"{backend}: {result['error']}")
             continue
-        for fit in result["fits"]:
+        for fit in sorted(result["fits"], key=lambda f: (f["workers"], f["ps"])):
             runs = fit["runs"]
             ours = [r["ps"]["steps_per_s"] for r in runs]
             base = [r["mirrored"]["steps_per_s"] for r in runs]
@@ -523,7 +523,7 @@ def table_rows(backend: str, results: list) -> tuple:
             ratios = [r["raw_ms"] / r["ours_ms"] for r in for_trip]
             ratio = statistics.median(ratios)
             met = " met" if ratio >= TARGET else " **missed**"
-            rows.append(
+            trip_rows.append(
                 f"| {backend} | round trip, {megabytes:.2f} MB read + update, 1 worker x 1 ps: ms "
                 f"({megabytes / statistics.median(ours) * 1e3:.0f} MB/s each way) | {_median_range(ours)} "
                 f"| {RAW_NAMES[backend]} ({megabytes / statistics.median(raw) * 1e3:.0f} MB/s) | {_median_range(raw)} "
@@ -535,7 +535,7 @@ def table_rows(backend: str, results: list) -> tuple:
                 parts = {name: statistics.median(piece.get(name, 0.0) for piece in pieces) for name in names}
                 notes.append(f"{backend}: ours, median {statistics.median(ours):.2f} ms per round trip: "
                              + ", ".join(f"{name} {ms:.2f} ms" for name, ms in parts.items()))
-    return rows, notes, errors
+    return rows + trip_rows, notes, errors
 
 
 def run_parent(args) -> int:
