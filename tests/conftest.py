@@ -92,6 +92,7 @@ _PROCESS_TESTS = (
     "tests/strategies/test_parameter_server.py::test_cluster_",
     "tests/strategies/test_parameter_server.py::test_ray_",
     "tests/coordinator/",
+    "tests/bench/",
 )
 
 
