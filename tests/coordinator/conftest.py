@@ -1,8 +1,22 @@
-"""One Ray runtime on 127.0.0.1 for every coordinator test of the run (helpers in ray_cluster.py)."""
+"""One Ray runtime on 127.0.0.1 for every coordinator test of the run (helpers in ray_cluster.py).
 
+The closure queue and its Ray workers are the parameter-server engine of JAX and
+PyTorch; TensorFlow's runs on TensorFlow's own coordinator (tested in
+tests/strategies/test_parameter_server.py), so these tests run on those two.
+"""
+
+import keras
 import pytest
 
 from ray_cluster import SHARED
+
+
+def pytest_collection_modifyitems(config, items):
+    if keras.backend.backend() == "tensorflow":
+        skip = pytest.mark.skip(reason="TensorFlow's parameter-server training uses TensorFlow's own coordinator")
+        for item in items:
+            if "tests/coordinator/" in item.nodeid:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
