@@ -208,7 +208,7 @@ def test_a_lost_parameter_server_is_an_error_naming_it(ray_runtime):
         started = time.monotonic()
         for _ in range(3):
             queue.schedule(bump)
-        with pytest.raises(ParameterServerUnavailableError, match="ps:2"):
+        with pytest.raises(ParameterServerUnavailableError, match="/job:ps/replica:0/task:2"):
             queue.join()
         assert time.monotonic() - started < 30
 

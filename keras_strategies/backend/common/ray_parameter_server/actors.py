@@ -198,6 +198,7 @@ class WorkerActor:
     def reset(self) -> None:
         """Forgets every variable, function and dataset (a new strategy starts on the same processes)."""
         self.layout, self.optimizer_layout = {}, {}
+        self.shard_handles.clear()
         self.functions.clear()
         self.definitions.clear()
         self.transport.WORKER_VARIABLES.clear()
@@ -207,7 +208,10 @@ class WorkerActor:
             layout: Optional[tuple], definitions: dict) -> Any:
         transport = self.transport
         if layout is not None:
-            self.layout, self.optimizer_layout = layout
+            self.layout, self.optimizer_layout, shard_names = layout
+            if shard_names != self.shard_names:  # a parameter server was started anew
+                self.shard_names = list(shard_names)
+                self.shard_handles.clear()
         self.definitions.update(definitions)
         if function_bytes is not None:
             self.functions[function_key] = transport.loads(function_bytes)
@@ -242,9 +246,12 @@ class WorkerActor:
             try:
                 self.shard_handles[index] = ray.get_actor(self.shard_names[index])
             except ValueError:
-                from keras_strategies.backend.common.remote_errors import ParameterServerUnavailableError
+                from keras_strategies.backend.common.remote_errors import (
+                    ParameterServerUnavailableError,
+                    parameter_server_device,
+                )
 
-                raise ParameterServerUnavailableError(f"ps:{index}", "its actor is gone") from None
+                raise ParameterServerUnavailableError(parameter_server_device(index), "its actor is gone") from None
         return self.shard_handles[index]
 
     def _call_shards(self, calls: list) -> list:
@@ -256,9 +263,12 @@ class WorkerActor:
             try:
                 results.append(ray.get(ref))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
-                from keras_strategies.backend.common.remote_errors import ParameterServerUnavailableError
+                from keras_strategies.backend.common.remote_errors import (
+                    ParameterServerUnavailableError,
+                    parameter_server_device,
+                )
 
-                raise ParameterServerUnavailableError(f"ps:{shard}", type(error).__name__) from None
+                raise ParameterServerUnavailableError(parameter_server_device(shard), type(error).__name__) from None
         return results
 
     def _pull(self, keys: list) -> dict:

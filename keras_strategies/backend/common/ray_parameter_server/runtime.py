@@ -6,7 +6,8 @@ workers serve (`serve`, for `ks.Server`), or starts a local Ray runtime on
 worker actor per `worker` task. Worker actors restart when they die (Ray's
 `max_restarts`); the closure queue then runs the lost closure elsewhere and
 the worker rebuilds its datasets. Shard actors do not restart: a lost
-parameter server is an error naming it.
+parameter server is an error naming it ("/job:ps/replica:0/task:N", as
+TensorFlow names it), and the next strategy of the process starts a new one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from keras_strategies.backend.common.ray_parameter_server.registry import Regist
 from keras_strategies.backend.common.remote_errors import (
     ParameterServerUnavailableError,
     WorkerUnavailableError,
+    parameter_server_device,
 )
 
 _LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -99,7 +101,8 @@ class WorkerHandle:
             version = runtime.registry.version
             layout = None
             if version != self._layout_version:
-                layout = (dict(runtime.registry.layout), dict(runtime.registry.optimizer_layout))
+                layout = (dict(runtime.registry.layout), dict(runtime.registry.optimizer_layout),
+                          list(runtime.shard_names))
         try:
             ref = self.actor.run.remote(closure_id, function_key, send_function, call_bytes, layout, definitions)
             result = ray.get(ref)
@@ -182,6 +185,8 @@ class Runtime:
         self.registry = Registry(self.num_ps, partitioner)
         self._resources = ray.cluster_resources()
         self._prefix = f"ks-{uuid.uuid4().hex[:10]}"
+        self.shard_names = [f"{self._prefix}-ps-{i}" for i in range(self.num_ps)]
+        self._restarts = 0
         self.shards = [self._start_shard(i) for i in range(self.num_ps)]
         ray.get([shard.ping.remote() for shard in self.shards])
         self._all_handles = [WorkerHandle(self, i) for i in range(self.num_workers)]
@@ -198,14 +203,32 @@ class Runtime:
 
     def _start_shard(self, index: int) -> Any:
         cls = ray.remote(actors.ParameterShard)
-        return cls.options(num_cpus=0, max_restarts=0, max_concurrency=4, name=f"{self._prefix}-ps-{index}",
+        return cls.options(num_cpus=0, max_restarts=0, max_concurrency=4, name=self.shard_names[index],
                            **self._placement(f"ps:{index}")).remote(index, self.backend)
+
+    def _replace_lost_shards(self) -> None:
+        """Starts a new shard actor for each parameter server that died (a new strategy restarts the
+        cluster). A dead actor keeps its name, so the new one gets a name of its own."""
+        refs = [shard.ping.remote() for shard in self.shards]
+        lost = []
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=30)
+            except (*_LOST, ray.exceptions.GetTimeoutError):
+                lost.append(index)
+        for index in lost:
+            with contextlib.suppress(Exception):
+                ray.kill(self.shards[index], no_restart=True)
+            self._restarts += 1
+            self.shard_names[index] = f"{self._prefix}-ps-{index}-{self._restarts}"
+            self.shards[index] = self._start_shard(index)
+        ray.get([self.shards[index].ping.remote() for index in lost])
 
     def _start_worker(self, index: int) -> Any:
         cls = ray.remote(actors.WorkerActor)
         return cls.options(num_cpus=0, max_restarts=-1, max_task_retries=0,
                            **self._placement(f"worker:{index}")).remote(
-            index, self.backend, [f"{self._prefix}-ps-{i}" for i in range(self.num_ps)])
+            index, self.backend, list(self.shard_names))
 
     def _reuse(self, partitioner: Optional[Callable[..., Any]], num_ps: int, num_workers: int) -> "Runtime":
         """Starts over on the same actors with the first `num_ps` shards and `num_workers` workers.
@@ -217,6 +240,7 @@ class Runtime:
             raise ValueError(f"this runtime has {len(self.shards)} ps and {len(self._all_handles)} workers")
         self.registry = Registry(num_ps, partitioner)
         self.num_ps, self.num_workers = num_ps, num_workers
+        self._replace_lost_shards()
         for handle in self._all_handles:
             handle.wait_until_available()
         ray.get([s.reset.remote() for s in self.shards[:num_ps]] + [h.actor.reset.remote() for h in self._all_handles])
@@ -305,7 +329,7 @@ class Runtime:
             try:
                 results.append(ray.get(ref, timeout=30))
             except (*_LOST, ray.exceptions.GetTimeoutError) as error:
-                raise ParameterServerUnavailableError(f"ps:{shard}", type(error).__name__) from None
+                raise ParameterServerUnavailableError(parameter_server_device(shard), type(error).__name__) from None
         return results
 
     def _pickled_function(self, fn: Callable[..., Any]) -> tuple:
