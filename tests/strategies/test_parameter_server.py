@@ -149,10 +149,15 @@ def test_cluster_clear_errors(one_worker):
     assert errors["batch_callback"][0] == "ValueError" and "BatchLogger overrides on_train_batch_end" in \
         errors["batch_callback"][1]
     assert errors["run_eagerly"][0] == "ValueError" and "`run_eagerly=True` is not supported" in errors["run_eagerly"][1]
+    assert errors["checkpoint_save_freq"] == [
+        "ValueError", "Callback ModelCheckpoint with save_freq=2 acts on batches, but under ParameterServerStrategy "
+        "`fit` schedules steps on the workers and gives callbacks epoch-level logs only. Pass save_freq='epoch'."]
+    assert errors["tensorboard_update_freq"][0] == "ValueError"
+    assert "TensorBoard with update_freq=5 acts on batches" in errors["tensorboard_update_freq"][1]
 
 
 def test_cluster_keras_epoch_level_callbacks_work(one_worker):
-    assert one_worker["callbacks"] == {"epochs": 2, "checkpoint": True}
+    assert one_worker["callbacks"] == {"epochs": 2, "checkpoint": True, "tensorboard": True}
 
 
 def test_cluster_fit_evaluate_and_predict_inside_the_scope(one_worker):
