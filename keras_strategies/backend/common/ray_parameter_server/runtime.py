@@ -81,6 +81,7 @@ class WorkerHandle:
         self._sent_functions: set = set()
         self._sent_resources: set = set()
         self._layout_version = -1
+        self._incarnation: Optional[str] = None  # the worker process that holds what was sent
         self._lock = threading.Lock()
 
     def _forget(self) -> None:
@@ -88,40 +89,52 @@ class WorkerHandle:
             self._sent_functions.clear()
             self._sent_resources.clear()
             self._layout_version = -1
+            self._incarnation = None  # the next closure goes with everything, to whichever process serves
 
     def run(self, closure_id: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Runs `fn(*args, **kwargs)` on this worker; raises `WorkerUnavailableError` if the worker is lost."""
+        """Runs `fn(*args, **kwargs)` on this worker; raises `WorkerUnavailableError` if the worker is lost.
+
+        A worker that Ray restarted while it was idle has none of what was sent to the process
+        before: it refuses the closure (`WorkerRestarted`), and the closure goes again with everything.
+        """
         runtime = self.runtime
         function_key, function_bytes, resources = runtime._pickled_function(fn)
         resources = dict(resources)
         call_bytes = transport.dumps((args, kwargs), runtime.registry.keys, resources)
-        with self._lock:
-            send_function = function_bytes if function_key not in self._sent_functions else None
-            definitions = self._definitions(resources)
-            version = runtime.registry.version
-            layout = None
-            if version != self._layout_version:
-                layout = (dict(runtime.registry.layout), dict(runtime.registry.optimizer_layout),
-                          list(runtime.shard_names))
-        try:
-            ref = self.actor.run.remote(closure_id, function_key, send_function, call_bytes, layout, definitions)
-            result = ray.get(ref)
-        except _LOST as error:
-            self._forget()
-            raise WorkerUnavailableError(self.name, type(error).__name__) from None
-        except ray.exceptions.RayTaskError as error:
-            cause = error.cause
-            if isinstance(cause, BaseException):
-                if hasattr(cause, "add_note"):
-                    cause.add_note(f"(raised on {self.name}; its traceback follows)\n{_remote_traceback(error)}")
-                raise cause from None
-            raise
-        with self._lock:
-            self._sent_functions.add(function_key)
-            self._sent_resources.update(definitions)
-            if layout is not None:
-                self._layout_version = version
-        return result
+        while True:
+            with self._lock:
+                send_function = function_bytes if function_key not in self._sent_functions else None
+                definitions = self._definitions(resources)
+                version = runtime.registry.version
+                layout = None
+                if version != self._layout_version:
+                    layout = (dict(runtime.registry.layout), dict(runtime.registry.optimizer_layout),
+                              list(runtime.shard_names))
+                incarnation = self._incarnation
+            try:
+                ref = self.actor.run.remote(incarnation, closure_id, function_key, send_function, call_bytes, layout,
+                                            definitions)
+                incarnation, result = ray.get(ref)
+            except _LOST as error:
+                self._forget()
+                raise WorkerUnavailableError(self.name, type(error).__name__) from None
+            except ray.exceptions.RayTaskError as error:
+                cause = error.cause
+                if isinstance(cause, actors.WorkerRestarted):
+                    self._forget()
+                    continue
+                if isinstance(cause, BaseException):
+                    if hasattr(cause, "add_note"):
+                        cause.add_note(f"(raised on {self.name}; its traceback follows)\n{_remote_traceback(error)}")
+                    raise cause from None
+                raise
+            with self._lock:
+                self._sent_functions.add(function_key)
+                self._sent_resources.update(definitions)
+                if layout is not None:
+                    self._layout_version = version
+                self._incarnation = incarnation
+            return result
 
     def _definitions(self, resources: dict) -> dict:
         definitions = {}
