@@ -219,10 +219,10 @@ class Runtime:
         return cls.options(num_cpus=0, max_restarts=0, max_concurrency=4, name=self.shard_names[index],
                            **self._placement(f"ps:{index}")).remote(index, self.backend)
 
-    def _replace_lost_shards(self) -> None:
-        """Starts a new shard actor for each parameter server that died (a new strategy restarts the
-        cluster). A dead actor keeps its name, so the new one gets a name of its own."""
-        refs = [shard.ping.remote() for shard in self.shards]
+    def _replace_lost_shards(self, count: int) -> None:
+        """Starts a new shard actor for each of the first `count` parameter servers that died (a new
+        strategy restarts the cluster). A dead actor keeps its name, so the new one gets a name of its own."""
+        refs = [shard.ping.remote() for shard in self.shards[:count]]
         lost = []
         for index, ref in enumerate(refs):
             try:
@@ -253,7 +253,7 @@ class Runtime:
             raise ValueError(f"this runtime has {len(self.shards)} ps and {len(self._all_handles)} workers")
         self.registry = Registry(num_ps, partitioner)
         self.num_ps, self.num_workers = num_ps, num_workers
-        self._replace_lost_shards()
+        self._replace_lost_shards(num_ps)
         for handle in self._all_handles:
             handle.wait_until_available()
         ray.get([s.reset.remote() for s in self.shards[:num_ps]] + [h.actor.reset.remote() for h in self._all_handles])
