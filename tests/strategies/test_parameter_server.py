@@ -267,6 +267,7 @@ def test_ray_custom_loop_with_one_worker_equals_one_device(ray_engine, num_ps, s
     registry = strategy.extended._runtime.registry
     kernel_pieces = registry.layout[registry.keys[id(model.layers[0].kernel)]]
     assert len(kernel_pieces) == (shards or 1)
+    assert len(registry.layout[registry.keys[id(optimizer.iterations)]]) == 1  # a partitioner leaves scalars whole
     assert {piece[0] for layout in registry.layout.values() for piece in layout} == set(range(num_ps))
     assert all(isinstance(value, ks.coordinator.RemoteValue) for value in remote)
     np.testing.assert_allclose([float(v.fetch()) for v in remote], expected_losses, rtol=1e-5, atol=1e-5)
