@@ -109,6 +109,7 @@ _TIMED_TESTS = (
     "tests/multi_worker/test_multi_worker_recovery.py::test_a_hung_worker_",
     "tests/multi_worker/test_multi_worker_config.py::test_watchdog_",
     "tests/strategies/test_parameter_server.py::test_cluster_a_dead_parameter_server_",
+    "tests/strategies/test_parameter_server.py::test_ray_a_killed_parameter_server_",
     "tests/coordinator/test_closure_queue.py::test_a_lost_parameter_server_",
     "tests/coordinator/test_closure_queue.py::test_a_worker_that_never_comes_back_",
     "tests/test_launch.py::test_timeout_",

@@ -138,7 +138,16 @@ def _dataset_fn(x: Any, y: Any, sample_weight: Any, batch_size: Optional[int], s
 
 
 def _check_callbacks(callbacks: Any) -> None:
+    """Refuses callbacks that need per-step logs or batch hooks, which `fit` never calls here."""
     for callback in list(callbacks or []):
+        setting = _batch_setting(callback)
+        if setting is not None:
+            given, fix = setting
+            raise ValueError(
+                f"Callback {type(callback).__name__} with {given} acts on batches, but under "
+                "ParameterServerStrategy `fit` schedules steps on the workers and gives callbacks "
+                f"epoch-level logs only. Pass {fix}."
+            )
         if isinstance(callback, _EPOCH_LEVEL):
             continue
         overridden = [hook for hook in _BATCH_HOOKS
@@ -149,6 +158,19 @@ def _check_callbacks(callbacks: Any) -> None:
                 "ParameterServerStrategy `fit` schedules steps on the workers and gives callbacks "
                 "epoch-level logs only. Move its work to `on_epoch_end`, or train with a custom loop."
             )
+
+
+def _batch_setting(callback: Any) -> Optional[tuple]:
+    """`(the batch-level setting, its epoch-level fix)` of one of Keras' epoch-level callbacks, or None."""
+    if isinstance(callback, (callbacks_module.ModelCheckpoint, callbacks_module.BackupAndRestore)):
+        if callback.save_freq not in ("epoch", False):
+            return f"save_freq={callback.save_freq!r}", "save_freq='epoch'"
+    if isinstance(callback, callbacks_module.TensorBoard):
+        if callback.update_freq != "epoch":
+            return f"update_freq={callback.update_freq!r}", "update_freq='epoch'"
+        if getattr(callback, "_should_trace", False):
+            return f"profile_batch={callback._start_batch}", "profile_batch=0"
+    return None
 
 
 def _make_train_function(model: Any, strategy: Any, steps: int) -> Callable:

@@ -167,6 +167,31 @@ def test_closure_on_a_sigkilled_worker_runs_elsewhere_and_its_dataset_is_rebuilt
         assert after[survivor][0] == before[survivor][-1] + 1
 
 
+def test_a_worker_killed_between_closures_gets_its_functions_variables_and_datasets_again(ray_runtime):
+    with cluster(num_ps=1, num_workers=1) as (strategy, queue):
+        import keras
+
+        with strategy.scope():
+            counter = keras.Variable(0.0)
+
+        def count(iterator):
+            counter.assign_add(1.0)
+            return next(iterator), os.getpid()
+
+        iterator = iter(queue.create_per_worker_dataset(lambda: iter(range(1000))))
+        before = [queue.schedule(count, args=(iterator,)) for _ in range(3)]
+        queue.join()
+        (pid,) = {p for _, p in (v.fetch() for v in before)}
+        os.kill(pid, signal.SIGKILL)  # while the worker is idle: the queue learns of it only by the next closure
+        queue._workers[0].wait_until_available()  # (Ray has restarted it by then)
+        after = [queue.schedule(count, args=(iterator,)) for _ in range(2)]
+        queue.join()
+        results = [v.fetch() for v in after]
+        assert [value for value, _ in results] == [0, 1]  # the new process built the dataset anew
+        assert {p for _, p in results} != {pid}
+        assert float(counter.numpy()) == 5.0  # and read the variable from the parameter server
+
+
 def _by_worker(queue, values, into=None):
     queue.join()
     into = {} if into is None else into
@@ -208,7 +233,7 @@ def test_a_lost_parameter_server_is_an_error_naming_it(ray_runtime):
         started = time.monotonic()
         for _ in range(3):
             queue.schedule(bump)
-        with pytest.raises(ParameterServerUnavailableError, match="ps:2"):
+        with pytest.raises(ParameterServerUnavailableError, match="/job:ps/replica:0/task:2"):
             queue.join()
         assert time.monotonic() - started < 30
 

@@ -7,11 +7,16 @@ process of its own because a process coordinates one cluster.
 """
 
 import contextlib
+import glob
 import itertools
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import keras
 import numpy as np
@@ -36,6 +41,15 @@ def test_without_ray_the_error_names_what_to_install(monkeypatch):
     with pytest.raises(ImportError, match=r'ParameterServerStrategy on the JAX and PyTorch backends runs on Ray, '
                                           r'which is not installed: `pip install "keras-strategies\[ray\]"`'):
         ks.ParameterServerStrategy(resolver(cluster))
+
+
+@pytest.mark.parametrize("source", ["resolver", "TF_CONFIG"])
+def test_a_cluster_without_a_ps_task_is_refused_before_anything_starts(monkeypatch, source):
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+    if source == "TF_CONFIG":
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}))
+    with pytest.raises(ValueError, match="There must be at least one ps."):
+        ks.ParameterServerStrategy(resolver(cluster) if source == "resolver" else None)
 
 
 # --- a real cluster on 127.0.0.1 (TensorFlow's runtime) --------------------------------------
@@ -135,10 +149,15 @@ def test_cluster_clear_errors(one_worker):
     assert errors["batch_callback"][0] == "ValueError" and "BatchLogger overrides on_train_batch_end" in \
         errors["batch_callback"][1]
     assert errors["run_eagerly"][0] == "ValueError" and "`run_eagerly=True` is not supported" in errors["run_eagerly"][1]
+    assert errors["checkpoint_save_freq"] == [
+        "ValueError", "Callback ModelCheckpoint with save_freq=2 acts on batches, but under ParameterServerStrategy "
+        "`fit` schedules steps on the workers and gives callbacks epoch-level logs only. Pass save_freq='epoch'."]
+    assert errors["tensorboard_update_freq"][0] == "ValueError"
+    assert "TensorBoard with update_freq=5 acts on batches" in errors["tensorboard_update_freq"][1]
 
 
 def test_cluster_keras_epoch_level_callbacks_work(one_worker):
-    assert one_worker["callbacks"] == {"epochs": 2, "checkpoint": True}
+    assert one_worker["callbacks"] == {"epochs": 2, "checkpoint": True, "tensorboard": True}
 
 
 def test_cluster_fit_evaluate_and_predict_inside_the_scope(one_worker):
@@ -248,6 +267,7 @@ def test_ray_custom_loop_with_one_worker_equals_one_device(ray_engine, num_ps, s
     registry = strategy.extended._runtime.registry
     kernel_pieces = registry.layout[registry.keys[id(model.layers[0].kernel)]]
     assert len(kernel_pieces) == (shards or 1)
+    assert len(registry.layout[registry.keys[id(optimizer.iterations)]]) == 1  # a partitioner leaves scalars whole
     assert {piece[0] for layout in registry.layout.values() for piece in layout} == set(range(num_ps))
     assert all(isinstance(value, ks.coordinator.RemoteValue) for value in remote)
     np.testing.assert_allclose([float(v.fetch()) for v in remote], expected_losses, rtol=1e-5, atol=1e-5)
@@ -313,3 +333,192 @@ def test_ray_fit_with_one_worker_equals_one_device(ray_engine, data):
     assert int(model.optimizer.iterations.numpy()) == 2 * 6
     np.testing.assert_allclose(evaluation, expected_evaluation, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(predictions, expected_predictions, rtol=1e-5, atol=1e-5)
+
+
+def _ray_compiled(strategy, **compile_kwargs):
+    with strategy.scope():
+        model = _ray_model()
+        model.compile(keras.optimizers.Adam(0.05), loss="mse", **compile_kwargs)
+    return model
+
+
+def _stalling_dataset_fn(marker, stall_at):
+    """Endless batches; on worker 0, element `stall_at` waits (to be killed) once, after writing the
+    worker's pid to `marker`. When the worker comes back, its rebuilt dataset does not stall again."""
+
+    def dataset_fn(context):
+        import tensorflow as tf
+
+        def batches():
+            for index in itertools.count():
+                if context.input_pipeline_id == 0 and index == stall_at and not os.path.exists(marker):
+                    with open(marker + ".tmp", "w") as file:
+                        file.write(str(os.getpid()))
+                    os.replace(marker + ".tmp", marker)
+                    time.sleep(60)  # the test kills this process meanwhile
+                yield RAY_BATCHES[index % len(RAY_BATCHES)]
+
+        spec = (tf.TensorSpec((None, 4), "float32"), tf.TensorSpec((None, 1), "float32"))
+        return tf.data.Dataset.from_generator(batches, output_signature=spec)
+
+    return dataset_fn
+
+
+def _sigkill_when_written(path, limit=60.0):
+    """A thread that SIGKILLs the process whose pid appears in `path` (the file is written by another process)."""
+    def kill():
+        deadline = time.monotonic() + limit
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if os.path.exists(path):
+            with open(path) as file:
+                os.kill(int(file.read()), signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_ray_fit_with_two_workers_loses_no_step_when_a_worker_is_sigkilled(ray_engine, tmp_path):
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"],
+               "ps": ["127.0.0.1:4", "127.0.0.1:5"]}
+    strategy = ks.ParameterServerStrategy(resolver(cluster))
+    model = _ray_compiled(strategy, steps_per_execution=2)  # 2 steps per closure
+    marker = str(tmp_path / "worker-0.pid")
+    killer = _sigkill_when_written(marker)
+    # Worker 0 is killed in its second closure, after that closure's first step reached the parameter
+    # servers; the closure runs again on worker 1 (at least once), and the step already applied is
+    # not applied again (each update is applied once), so every scheduled step counts exactly once.
+    history = model.fit(_stalling_dataset_fn(marker, stall_at=3), epochs=3, steps_per_epoch=6, verbose=0)
+    killer.join()
+    with open(marker) as file:
+        killed = int(file.read())
+    assert int(model.optimizer.iterations.numpy()) == 3 * 6
+    losses = history.history["loss"]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    import ray
+
+    handle = strategy.extended._runtime.workers()[0]
+    handle.wait_until_available()  # Ray restarted the worker: a new process
+    assert ray.get(handle.actor.ping.remote()) != killed
+
+
+def test_ray_a_killed_parameter_server_is_named_within_30_s_and_backup_and_restore_resumes(ray_engine, tmp_path):
+    import ray
+
+    # The shared runtime's third parameter server is the one tests may kill; the next strategy starts a new one.
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": [f"127.0.0.1:{3 + i}" for i in range(3)]}
+    strategy = ks.ParameterServerStrategy(resolver(cluster))
+    model = _ray_compiled(strategy)
+    pid = ray.get(strategy.extended._runtime.shards[2].ping.remote())
+    killed = []
+
+    class KillTheThirdParameterServer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+    backup = str(tmp_path / "backup")
+    name = re.escape("parameter server /job:ps/replica:0/task:2 is unavailable")
+    with pytest.raises(RuntimeError, match=name) as raised:
+        model.fit(RAY_ROWS, RAY_TARGETS, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup), KillTheThirdParameterServer()])
+    assert time.monotonic() - killed[0] < 30
+    assert "restart the cluster" in str(raised.value) and "BackupAndRestore" in str(raised.value)
+
+    coordinator = ks.coordinator.ClusterCoordinator(strategy)
+
+    def read_weights():  # reads every variable of the model, some of them on the lost parameter server
+        return [keras.ops.convert_to_numpy(v.value) for v in model.weights]
+
+    for raiser in ("join", "done", "schedule"):
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=name):
+            value = coordinator.schedule(read_weights)
+            if raiser == "join":
+                coordinator.join()
+            elif raiser == "done":
+                while not coordinator.done():
+                    time.sleep(0.01)
+            else:
+                with pytest.raises(RuntimeError, match=name):
+                    value.fetch()
+                coordinator.schedule(read_weights)
+        assert time.monotonic() - started < 30, raiser
+
+    # Restarting the cluster (a new strategy) and the same BackupAndRestore resume at epoch 1.
+    strategy = ks.ParameterServerStrategy(resolver(cluster))
+    model = _ray_compiled(strategy)
+    history = model.fit(RAY_ROWS, RAY_TARGETS, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert len(history.history["loss"]) == 2  # epochs 1 and 2; epoch 0 came from the backup
+    assert int(model.optimizer.iterations.numpy()) == 3 * 6
+    assert not os.path.exists(backup)  # a finished fit removes its backup
+
+
+def test_ray_fit_runs_keras_epoch_level_callbacks(ray_engine, tmp_path):
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    model = _ray_compiled(ks.ParameterServerStrategy(resolver(cluster)))
+    checkpoint, logs = str(tmp_path / "model.keras"), str(tmp_path / "logs")
+    validation = (RAY_ROWS[:16], RAY_TARGETS[:16])
+    callbacks = [keras.callbacks.ModelCheckpoint(checkpoint), keras.callbacks.TensorBoard(logs),
+                 keras.callbacks.EarlyStopping("loss", patience=1, min_delta=1e9)]  # no epoch improves by 1e9
+    history = model.fit(RAY_ROWS, RAY_TARGETS, batch_size=8, epochs=5, verbose=0, callbacks=callbacks,
+                        validation_data=validation)
+    assert sorted(history.history) == ["loss", "val_loss"]
+    assert len(history.history["loss"]) == 2  # EarlyStopping stopped the run after its second epoch
+    # The validation ran on the chief with the values the parameter servers held at the epoch's end.
+    np.testing.assert_allclose(history.history["val_loss"][-1], model.evaluate(*validation, verbose=0), rtol=1e-5)
+    restored = keras.models.load_model(checkpoint)
+    for actual, expected in zip(restored.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6)
+    for run in ("train", "validation"):
+        events = glob.glob(os.path.join(logs, run, "events.out.tfevents.*"))
+        assert events and any(b"epoch_loss" in open(path, "rb").read() for path in events), (run, events)
+
+
+def test_ray_clear_errors(ray_engine):
+    import tensorflow as tf
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    strategy = ks.ParameterServerStrategy(resolver(cluster))
+    model = _ray_compiled(strategy)
+    coordinator = ks.coordinator.ClusterCoordinator(strategy)
+    with pytest.raises(TypeError, match="`schedule` needs a function to run on a worker, got int: 5"):
+        coordinator.schedule(5)
+    remote = coordinator.schedule(lambda: 2.0)
+    coordinator.join()
+    assert isinstance(remote, ks.coordinator.RemoteValue) and remote.fetch() == 2.0
+    for args in ((remote,), ([remote],), ({"value": remote},)):
+        with pytest.raises(ValueError, match=r"`schedule` does not take a RemoteValue as an argument: call `\.fetch\(\)`"):
+            coordinator.schedule(lambda value: value, args=args)
+    with pytest.raises(ValueError, match="Only `ks.ParameterServerStrategy` is supported"):
+        ks.coordinator.ClusterCoordinator(ks.MirroredStrategy(["cpu:0"]))
+
+    def endless(context=None):
+        return tf.data.Dataset.from_tensor_slices((RAY_ROWS, RAY_TARGETS)).batch(8).repeat()
+
+    for x in (endless(), endless, ks.experimental.DatasetCreator(endless)):
+        with pytest.raises(ValueError, match=r"`steps_per_epoch` is required .*pass `steps_per_epoch=N`"):
+            model.fit(x, epochs=1, verbose=0)
+
+    class BatchLogger(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    refused = [(BatchLogger(), "Callback BatchLogger overrides on_train_batch_end"),
+               (keras.callbacks.ModelCheckpoint("unused.keras", save_freq=2),
+                "Callback ModelCheckpoint with save_freq=2 acts on batches.*Pass save_freq='epoch'"),
+               (keras.callbacks.BackupAndRestore("unused", save_freq=3), "BackupAndRestore with save_freq=3"),
+               (keras.callbacks.TensorBoard("unused", update_freq="batch"),
+                "TensorBoard with update_freq=1 acts on batches.*Pass update_freq='epoch'")]
+    for callback, message in refused:
+        with pytest.raises(ValueError, match=message):
+            model.fit(RAY_ROWS, RAY_TARGETS, epochs=1, verbose=0, callbacks=[callback])
+    with strategy.scope():
+        eager = _ray_model()
+        eager.compile("sgd", "mse", run_eagerly=True)
+    with pytest.raises(ValueError, match=r"`run_eagerly=True` is not supported with ParameterServerStrategy"):
+        eager.fit(RAY_ROWS, RAY_TARGETS, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0  # nothing refused ran a step

@@ -15,8 +15,16 @@ class WorkerUnavailableError(RuntimeError):
         super().__init__(f"worker {worker} is unavailable{': ' + detail if detail else ''}")
 
 
+def parameter_server_device(index: int) -> str:
+    """The name of parameter server `index`, as TensorFlow names its device and its errors."""
+    return f"/job:ps/replica:0/task:{index}"
+
+
 class ParameterServerUnavailableError(RuntimeError):
-    """A parameter server died or could not be reached: its variables are lost until the cluster restarts."""
+    """A parameter server died or could not be reached: its variables are lost until the cluster restarts.
+
+    `task` is its name as in TensorFlow's errors, "/job:ps/replica:0/task:N".
+    """
 
     def __init__(self, task: str, detail: str = ""):
         self.task = task

@@ -168,14 +168,22 @@ if scenario == "one_worker":
 
     with tempfile.TemporaryDirectory() as directory:
         checkpoint = os.path.join(directory, "model.keras")
+        logs = os.path.join(directory, "logs")
         callbacks = [keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
-                     keras.callbacks.ModelCheckpoint(checkpoint), keras.callbacks.EarlyStopping("loss", patience=3)]
+                     keras.callbacks.ModelCheckpoint(checkpoint), keras.callbacks.EarlyStopping("loss", patience=3),
+                     keras.callbacks.TensorBoard(logs)]
         history = fitted.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks)
-        results["callbacks"] = {"epochs": len(history.history["loss"]), "checkpoint": os.path.exists(checkpoint)}
+        events = [os.path.join(logs, "train", name) for name in os.listdir(os.path.join(logs, "train"))]
+        results["callbacks"] = {"epochs": len(history.history["loss"]), "checkpoint": os.path.exists(checkpoint),
+                                "tensorboard": any(b"epoch_loss" in open(path, "rb").read() for path in events)}
     with strategy.scope():  # fit, evaluate and predict also run when called inside the scope
         in_scope = fitted.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x[:16], y[:16]))
         results["in_scope"] = [sorted(in_scope.history), len(fitted.predict(x, verbose=0)), fitted.evaluate(x, y, verbose=0)]
     results["errors"]["batch_callback"] = error(lambda: fitted.fit(x, y, verbose=0, callbacks=[BatchLogger()]))
+    results["errors"]["checkpoint_save_freq"] = error(lambda: fitted.fit(
+        x, y, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint("unused.keras", save_freq=2)]))
+    results["errors"]["tensorboard_update_freq"] = error(lambda: fitted.fit(
+        x, y, verbose=0, callbacks=[keras.callbacks.TensorBoard("unused", update_freq=5)]))
     with strategy.scope():
         eager = build()
         eager.compile("sgd", "mse", run_eagerly=True)

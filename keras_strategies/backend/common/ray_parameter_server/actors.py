@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from typing import Any, Optional
 
 import numpy as np
@@ -173,6 +174,10 @@ class _NumpyIterator:
         return next(self)
 
 
+class WorkerRestarted(RuntimeError):
+    """A closure reached a worker process that lacks the functions, variables and datasets sent before."""
+
+
 class WorkerActor:
     """Runs closures: pulls values, runs, sends gradients and variable changes to the shards."""
 
@@ -180,6 +185,7 @@ class WorkerActor:
         self.index = index
         self.keras = _import_keras(backend)
         self.shard_names = shard_names
+        self.incarnation = uuid.uuid4().hex  # a restarted actor is a new process without any state
         self.shard_handles: dict = {}
         self.layout: dict = {}  # key -> [(shard, start, stop, pid)]
         self.optimizer_layout: dict = {}  # optimizer key -> {"variables": [keys], "shards": [...]}
@@ -198,16 +204,24 @@ class WorkerActor:
     def reset(self) -> None:
         """Forgets every variable, function and dataset (a new strategy starts on the same processes)."""
         self.layout, self.optimizer_layout = {}, {}
+        self.shard_handles.clear()
         self.functions.clear()
         self.definitions.clear()
         self.transport.WORKER_VARIABLES.clear()
         self.transport.WORKER_RESOURCES.clear()
 
-    def run(self, closure_id: str, function_key: int, function_bytes: Optional[bytes], call_bytes: bytes,
-            layout: Optional[tuple], definitions: dict) -> Any:
+    def run(self, incarnation: Optional[str], closure_id: str, function_key: int, function_bytes: Optional[bytes],
+            call_bytes: bytes, layout: Optional[tuple], definitions: dict) -> tuple:
+        """Runs a closure; returns `(this process's incarnation, the result)`. `incarnation` is the process the
+        chief sent its state to (None: everything comes with this call)."""
+        if incarnation is not None and incarnation != self.incarnation:
+            raise WorkerRestarted(f"worker {self.index} restarted since the chief last sent it its state")
         transport = self.transport
         if layout is not None:
-            self.layout, self.optimizer_layout = layout
+            self.layout, self.optimizer_layout, shard_names = layout
+            if shard_names != self.shard_names:  # a parameter server was started anew
+                self.shard_names = list(shard_names)
+                self.shard_handles.clear()
         self.definitions.update(definitions)
         if function_bytes is not None:
             self.functions[function_key] = transport.loads(function_bytes)
@@ -230,7 +244,7 @@ class WorkerActor:
                 return _numpy(keras, value)
             return value
 
-        return keras.tree.map_structure(convert, result)
+        return self.incarnation, keras.tree.map_structure(convert, result)
 
     # -- values ----------------------------------------------------------------------------
 
@@ -242,9 +256,12 @@ class WorkerActor:
             try:
                 self.shard_handles[index] = ray.get_actor(self.shard_names[index])
             except ValueError:
-                from keras_strategies.backend.common.remote_errors import ParameterServerUnavailableError
+                from keras_strategies.backend.common.remote_errors import (
+                    ParameterServerUnavailableError,
+                    parameter_server_device,
+                )
 
-                raise ParameterServerUnavailableError(f"ps:{index}", "its actor is gone") from None
+                raise ParameterServerUnavailableError(parameter_server_device(index), "its actor is gone") from None
         return self.shard_handles[index]
 
     def _call_shards(self, calls: list) -> list:
@@ -256,9 +273,12 @@ class WorkerActor:
             try:
                 results.append(ray.get(ref))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
-                from keras_strategies.backend.common.remote_errors import ParameterServerUnavailableError
+                from keras_strategies.backend.common.remote_errors import (
+                    ParameterServerUnavailableError,
+                    parameter_server_device,
+                )
 
-                raise ParameterServerUnavailableError(f"ps:{shard}", type(error).__name__) from None
+                raise ParameterServerUnavailableError(parameter_server_device(shard), type(error).__name__) from None
         return results
 
     def _pull(self, keys: list) -> dict:

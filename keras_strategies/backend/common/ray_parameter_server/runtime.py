@@ -6,7 +6,8 @@ workers serve (`serve`, for `ks.Server`), or starts a local Ray runtime on
 worker actor per `worker` task. Worker actors restart when they die (Ray's
 `max_restarts`); the closure queue then runs the lost closure elsewhere and
 the worker rebuilds its datasets. Shard actors do not restart: a lost
-parameter server is an error naming it.
+parameter server is an error naming it ("/job:ps/replica:0/task:N", as
+TensorFlow names it), and the next strategy of the process starts a new one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from keras_strategies.backend.common.ray_parameter_server.registry import Regist
 from keras_strategies.backend.common.remote_errors import (
     ParameterServerUnavailableError,
     WorkerUnavailableError,
+    parameter_server_device,
 )
 
 _LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -79,6 +81,7 @@ class WorkerHandle:
         self._sent_functions: set = set()
         self._sent_resources: set = set()
         self._layout_version = -1
+        self._incarnation: Optional[str] = None  # the worker process that holds what was sent
         self._lock = threading.Lock()
 
     def _forget(self) -> None:
@@ -86,39 +89,52 @@ class WorkerHandle:
             self._sent_functions.clear()
             self._sent_resources.clear()
             self._layout_version = -1
+            self._incarnation = None  # the next closure goes with everything, to whichever process serves
 
     def run(self, closure_id: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Runs `fn(*args, **kwargs)` on this worker; raises `WorkerUnavailableError` if the worker is lost."""
+        """Runs `fn(*args, **kwargs)` on this worker; raises `WorkerUnavailableError` if the worker is lost.
+
+        A worker that Ray restarted while it was idle has none of what was sent to the process
+        before: it refuses the closure (`WorkerRestarted`), and the closure goes again with everything.
+        """
         runtime = self.runtime
         function_key, function_bytes, resources = runtime._pickled_function(fn)
         resources = dict(resources)
         call_bytes = transport.dumps((args, kwargs), runtime.registry.keys, resources)
-        with self._lock:
-            send_function = function_bytes if function_key not in self._sent_functions else None
-            definitions = self._definitions(resources)
-            version = runtime.registry.version
-            layout = None
-            if version != self._layout_version:
-                layout = (dict(runtime.registry.layout), dict(runtime.registry.optimizer_layout))
-        try:
-            ref = self.actor.run.remote(closure_id, function_key, send_function, call_bytes, layout, definitions)
-            result = ray.get(ref)
-        except _LOST as error:
-            self._forget()
-            raise WorkerUnavailableError(self.name, type(error).__name__) from None
-        except ray.exceptions.RayTaskError as error:
-            cause = error.cause
-            if isinstance(cause, BaseException):
-                if hasattr(cause, "add_note"):
-                    cause.add_note(f"(raised on {self.name}; its traceback follows)\n{_remote_traceback(error)}")
-                raise cause from None
-            raise
-        with self._lock:
-            self._sent_functions.add(function_key)
-            self._sent_resources.update(definitions)
-            if layout is not None:
-                self._layout_version = version
-        return result
+        while True:
+            with self._lock:
+                send_function = function_bytes if function_key not in self._sent_functions else None
+                definitions = self._definitions(resources)
+                version = runtime.registry.version
+                layout = None
+                if version != self._layout_version:
+                    layout = (dict(runtime.registry.layout), dict(runtime.registry.optimizer_layout),
+                              list(runtime.shard_names))
+                incarnation = self._incarnation
+            try:
+                ref = self.actor.run.remote(incarnation, closure_id, function_key, send_function, call_bytes, layout,
+                                            definitions)
+                incarnation, result = ray.get(ref)
+            except _LOST as error:
+                self._forget()
+                raise WorkerUnavailableError(self.name, type(error).__name__) from None
+            except ray.exceptions.RayTaskError as error:
+                cause = error.cause
+                if isinstance(cause, actors.WorkerRestarted):
+                    self._forget()
+                    continue
+                if isinstance(cause, BaseException):
+                    if hasattr(cause, "add_note"):
+                        cause.add_note(f"(raised on {self.name}; its traceback follows)\n{_remote_traceback(error)}")
+                    raise cause from None
+                raise
+            with self._lock:
+                self._sent_functions.add(function_key)
+                self._sent_resources.update(definitions)
+                if layout is not None:
+                    self._layout_version = version
+                self._incarnation = incarnation
+            return result
 
     def _definitions(self, resources: dict) -> dict:
         definitions = {}
@@ -182,6 +198,8 @@ class Runtime:
         self.registry = Registry(self.num_ps, partitioner)
         self._resources = ray.cluster_resources()
         self._prefix = f"ks-{uuid.uuid4().hex[:10]}"
+        self.shard_names = [f"{self._prefix}-ps-{i}" for i in range(self.num_ps)]
+        self._restarts = 0
         self.shards = [self._start_shard(i) for i in range(self.num_ps)]
         ray.get([shard.ping.remote() for shard in self.shards])
         self._all_handles = [WorkerHandle(self, i) for i in range(self.num_workers)]
@@ -198,14 +216,32 @@ class Runtime:
 
     def _start_shard(self, index: int) -> Any:
         cls = ray.remote(actors.ParameterShard)
-        return cls.options(num_cpus=0, max_restarts=0, max_concurrency=4, name=f"{self._prefix}-ps-{index}",
+        return cls.options(num_cpus=0, max_restarts=0, max_concurrency=4, name=self.shard_names[index],
                            **self._placement(f"ps:{index}")).remote(index, self.backend)
+
+    def _replace_lost_shards(self, count: int) -> None:
+        """Starts a new shard actor for each of the first `count` parameter servers that died (a new
+        strategy restarts the cluster). A dead actor keeps its name, so the new one gets a name of its own."""
+        refs = [shard.ping.remote() for shard in self.shards[:count]]
+        lost = []
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=30)
+            except (*_LOST, ray.exceptions.GetTimeoutError):
+                lost.append(index)
+        for index in lost:
+            with contextlib.suppress(Exception):
+                ray.kill(self.shards[index], no_restart=True)
+            self._restarts += 1
+            self.shard_names[index] = f"{self._prefix}-ps-{index}-{self._restarts}"
+            self.shards[index] = self._start_shard(index)
+        ray.get([self.shards[index].ping.remote() for index in lost])
 
     def _start_worker(self, index: int) -> Any:
         cls = ray.remote(actors.WorkerActor)
         return cls.options(num_cpus=0, max_restarts=-1, max_task_retries=0,
                            **self._placement(f"worker:{index}")).remote(
-            index, self.backend, [f"{self._prefix}-ps-{i}" for i in range(self.num_ps)])
+            index, self.backend, list(self.shard_names))
 
     def _reuse(self, partitioner: Optional[Callable[..., Any]], num_ps: int, num_workers: int) -> "Runtime":
         """Starts over on the same actors with the first `num_ps` shards and `num_workers` workers.
@@ -217,6 +253,7 @@ class Runtime:
             raise ValueError(f"this runtime has {len(self.shards)} ps and {len(self._all_handles)} workers")
         self.registry = Registry(num_ps, partitioner)
         self.num_ps, self.num_workers = num_ps, num_workers
+        self._replace_lost_shards(num_ps)
         for handle in self._all_handles:
             handle.wait_until_available()
         ray.get([s.reset.remote() for s in self.shards[:num_ps]] + [h.actor.reset.remote() for h in self._all_handles])
@@ -305,7 +342,7 @@ class Runtime:
             try:
                 results.append(ray.get(ref, timeout=30))
             except (*_LOST, ray.exceptions.GetTimeoutError) as error:
-                raise ParameterServerUnavailableError(f"ps:{shard}", type(error).__name__) from None
+                raise ParameterServerUnavailableError(parameter_server_device(shard), type(error).__name__) from None
         return results
 
     def _pickled_function(self, fn: Callable[..., Any]) -> tuple:
