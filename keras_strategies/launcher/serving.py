@@ -26,6 +26,16 @@ class Servers:
     Stop them with `stop()`, or use the object as a context manager; they are
     also stopped when the caller's interpreter exits, and on Linux when the
     caller dies in any way (a notebook kernel that is killed, say).
+
+    Examples:
+        ```python
+        from keras_strategies.launch import start_servers
+
+        with start_servers("serve.py", workers=2, ps=1) as servers:
+            print(servers.cluster_spec)  # {"chief": [...], "worker": [...], "ps": [...]}
+            ...  # train as the chief with servers.tf_config
+        print(servers.exited())  # after the block every task has ended, with its exit code
+        ```
     """
 
     def __init__(self, tasks: Sequence[WorkerProcess], tf_config: dict, grace: float,
