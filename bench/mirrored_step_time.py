@@ -33,6 +33,7 @@ After timing, `ks` workers also time the top-level pieces of ks's train step
 Usage:
     python bench/mirrored_step_time.py                      # full run (a few minutes)
     python bench/mirrored_step_time.py --quick              # fewer steps
+    python bench/mirrored_step_time.py --smoke --backends jax  # every code path, tiny sizes (the test suite's run)
     python bench/mirrored_step_time.py --backends jax --devices 1,2
     python bench/mirrored_step_time.py --repeats 3          # 3 interleaved runs per cell (less noise)
     python bench/mirrored_step_time.py --threads 0          # backend-default intra-op threads (default 1)
@@ -415,6 +416,14 @@ def comparisons(backends, device_counts):
     return pairs
 
 
+def smoke_pairs(pairs):
+    """One comparison per backend for `--smoke`: its last, the multi-device baseline where there is one."""
+    last = {}
+    for pair in pairs:
+        last[pair[0]] = pair
+    return list(last.values())
+
+
 def spawn(backend: str, devices: int, mode: str, steps: int, epochs: int, threads: int, timeout: float,
           breakdown: int = 0, source: str = "") -> dict:
     cmd = [
@@ -475,7 +484,12 @@ def run_parent(args) -> int:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {BACKENDS}")
     device_counts = [int(d) for d in args.devices.split(",") if d.strip()]
     steps, epochs = (10, 1) if args.quick else (args.steps, args.epochs)
+    if args.smoke:
+        steps, epochs, args.repeats, args.breakdown = 2, 1, 1, min(args.breakdown, 2)
+        device_counts = [1, 2]
     pairs = comparisons(backends, device_counts)
+    if args.smoke:
+        pairs = smoke_pairs(pairs)
     if not pairs:
         raise SystemExit("nothing to run for these --backends / --devices")
 
@@ -548,7 +562,7 @@ def run_parent(args) -> int:
           f"median of {per_run} steps per run (warm-up epoch excluded), {args.repeats} run(s) per cell "
           f"(ms/step: median over runs; ratio: median of back-to-back run ratios, range in brackets), "
           f"intra-op threads {args.threads or 'backend default'}, "
-          f"total {time.perf_counter() - t0:.0f}s")
+          f"total {time.perf_counter() - t0:.0f}s" + (" (SMOKE: tiny sizes, numbers mean nothing)" if args.smoke else ""))
     print_provenance(fingerprint, args.source, loads)
     print()
     print("\n".join(lines))
@@ -630,6 +644,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="steps per epoch (default 50)")
     parser.add_argument("--epochs", type=int, default=2, help="measured epochs after the warm-up epoch (default 2)")
     parser.add_argument("--quick", action="store_true", help="parent: 10 steps x 1 measured epoch")
+    parser.add_argument("--smoke", action="store_true",
+                        help="parent: every code path with tiny sizes, for the test suite (numbers mean nothing): "
+                             "2 steps, 1 run, per backend one comparison on 2 devices (PyTorch: 1 device)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="parent: interleaved runs per cell, median of medians (default 1)")
     parser.add_argument("--threads", type=int, default=1,

@@ -1,7 +1,7 @@
 """Multi-worker benchmark: `ks.MultiWorkerMirroredStrategy` next to each backend's own multi-process path.
 
 Two worker processes x 1 CPU device each, on 127.0.0.1, started by the
-package's launcher (`keras_strategies.launcher.supervisor.launch`, which sets
+package's launcher (`python -m keras_strategies.launch`, which sets
 `TF_CONFIG`). Same model, data and global batch as `bench/mirrored_step_time.py`
 (MLP 64 -> 3 x Dense(256, relu) -> Dense(10), Adam(1e-3), sparse CE, global
 batch 256, so 128 rows per worker). Per backend it measures:
@@ -63,6 +63,7 @@ Intra-op threads are capped at 1 per process (`--threads`), as in
 Usage:
     python bench/multi_worker_step_time.py                       # all backends (about 2 min)
     python bench/multi_worker_step_time.py --quick               # fewer steps / iterations
+    python bench/multi_worker_step_time.py --smoke --backends jax  # every code path, tiny sizes (the test suite's run)
     python bench/multi_worker_step_time.py --backends torch,jax --repeats 2
     python bench/multi_worker_step_time.py --source /tmp/ks_snapshot   # a frozen copy of the package
 """
@@ -75,6 +76,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -100,6 +102,7 @@ WORKERS = 2
 STEP_TARGET = 1.05  # ours / native ms per step
 RATE_TARGET = 0.9  # ours / raw all-reduce rate
 PAYLOADS_MB = (1 / 256, 1, 16)  # 4 KB: the fixed cost of one collective (no target); 1 and 16 MB: throughput
+SMOKE_PAYLOADS_MB = (0.25,)  # --smoke: the same code paths on one small payload
 TENSORS = 10
 
 NATIVE_NAMES = {
@@ -621,11 +624,11 @@ def _interleaved(fns: dict, iters: int) -> dict:
     return times
 
 
-def _all_reduce_bench(backend: str, strategy, iters: int) -> tuple[list, dict]:
+def _all_reduce_bench(backend: str, strategy, iters: int, payloads_mb: tuple = PAYLOADS_MB) -> tuple[list, dict]:
     import numpy as np
 
     rows = []
-    for megabytes in PAYLOADS_MB:
+    for megabytes in payloads_mb:
         shapes = _payload_shapes(megabytes)
         total = sum(int(np.prod(s)) for s in shapes)
         nbytes = 4 * total
@@ -687,7 +690,7 @@ def run_job(args) -> None:
             result["breakdown_ms"] = _breakdown(keras, model, strategy, x, y, args.backend)
         if args.allreduce_iters:
             result["allreduce"], result["dtype_split"] = _all_reduce_bench(
-                args.backend, strategy, args.allreduce_iters
+                args.backend, strategy, args.allreduce_iters, SMOKE_PAYLOADS_MB if args.smoke else PAYLOADS_MB
             )
     else:
         joined = time.perf_counter()
@@ -709,19 +712,24 @@ def run_job(args) -> None:
 # Parent: one 2-worker job per (backend, mode, repeat), then the tables.
 # ---------------------------------------------------------------------------
 def launch_job(backend: str, mode: str, args) -> dict:
-    from keras_strategies.launcher.supervisor import launch
-
+    """One 2-worker job, started by the package's launcher (`python -m keras_strategies.launch`, which
+    starts without importing Keras; from the `--source` snapshot when there is one)."""
     job_args = [
         "--job", "--backend", backend, "--mode", mode, "--steps", str(args.steps), "--epochs", str(args.epochs),
         "--threads", str(args.threads), "--allreduce-iters", str(args.allreduce_iters if mode == "ks" else 0),
         "--breakdown", str(int(args.breakdown)),
-    ] + (["--source", args.source] if args.source and mode == "ks" else [])
-    out, err = io.StringIO(), io.StringIO()
+    ] + (["--source", args.source] if args.source and mode == "ks" else []) + (["--smoke"] if args.smoke else [])
+    command = [
+        sys.executable, "-m", "keras_strategies.launch", "--workers", str(WORKERS), "--devices-per-worker", "1",
+        "--backend", backend, "--timeout", str(args.timeout), os.path.abspath(__file__), *job_args,
+    ]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND=backend)
+    root = os.path.abspath(args.source) if args.source else os.path.dirname(BENCH_DIR)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
-    code = launch(
-        os.path.abspath(__file__), job_args, workers=WORKERS, devices_per_worker=1, backend=backend,
-        timeout=args.timeout, env={"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": backend}, stdout=out, stderr=err,
-    )
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
+    code = proc.returncode
+    out, err = io.StringIO(proc.stdout), io.StringIO(proc.stderr)
     wall = time.perf_counter() - start
     results = {}
     for line in out.getvalue().splitlines():
@@ -761,10 +769,10 @@ def run_parent(args) -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {BACKENDS}")
-    if args.source:  # the launcher from the snapshot too
-        sys.path.insert(0, os.path.abspath(args.source))
     if args.quick:
         args.steps, args.epochs, args.allreduce_iters = 20, 1, 20
+    if args.smoke:
+        args.steps, args.epochs, args.allreduce_iters, args.repeats = 2, 1, 2, 1
     fingerprint = source_fingerprint(args.source)
     t0 = time.perf_counter()
     runs: dict = {}
@@ -894,7 +902,8 @@ def run_parent(args) -> int:
           f"Adam, sparse CE + accuracy, global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // WORKERS} rows per worker), "
           f"median of {per_run} steps per run on worker 0 (warm-up epoch excluded), {args.repeats} run(s) per cell, "
           f"all-reduce: median of {args.allreduce_iters} iterations per run, "
-          f"intra-op threads {args.threads or 'backend default'}, total {time.perf_counter() - t0:.0f}s")
+          f"intra-op threads {args.threads or 'backend default'}, total {time.perf_counter() - t0:.0f}s"
+          + (" (SMOKE: tiny sizes, numbers mean nothing)" if args.smoke else ""))
     print_provenance(fingerprint, args.source, loads)
     print()
     print("\n".join(step_lines))
@@ -928,6 +937,9 @@ def main(argv=None) -> int:
     parser.add_argument("--breakdown", type=int, default=1, choices=(0, 1),
                         help="ks jobs: afterwards, time the pieces of ks's train step over one more epoch (default 1)")
     parser.add_argument("--quick", action="store_true", help="parent: 20 steps x 1 measured epoch, 20 all-reduces")
+    parser.add_argument("--smoke", action="store_true",
+                        help="every code path with tiny sizes, for the test suite (numbers mean nothing): 2 steps, "
+                             f"1 run, 2 all-reduces of {', '.join(f'{mb:g}' for mb in SMOKE_PAYLOADS_MB)} MB")
     parser.add_argument("--repeats", type=int, default=1, help="parent: runs per cell, alternating order (default 1)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per worker process (default 1; 0 = backend default)")

@@ -20,6 +20,11 @@ chief ends; the worker and ps tasks are then stopped and the exit code is the
 chief's. A worker ending early is reported and the chief goes on with the
 others; a ps ending early, or the last worker, stops the job.
 
+When the chief is the caller itself (a notebook, as in TensorFlow's
+parameter-server tutorial), `start_servers("serve.py", workers=2, ps=1)`
+starts only the worker and ps tasks, returns at once, and gives the chief's
+`TF_CONFIG` (`.tf_config`); `.stop()` (or the caller's exit) stops them.
+
 This module and `keras_strategies.launcher` use only the standard library, and
 in the launcher process the package defers importing its API (and so Keras and
 its backend) to first use: the launcher starts in well under a second.
@@ -33,15 +38,18 @@ import sys
 from typing import Sequence
 
 from keras_strategies.launcher.tf_config import free_ports, tf_config_for
+from keras_strategies.launcher.serving import Servers, start_servers
 from keras_strategies.launcher.supervisor import DEFAULT_GRACE, TIMEOUT_EXIT_CODE, check_roles, launch
 
 __all__ = [
+    "Servers",
     "TIMEOUT_EXIT_CODE",
     "build_parser",
     "free_ports",
     "launch",
     "main",
     "split_command",
+    "start_servers",
     "tf_config_for",
 ]
 
@@ -103,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit code: 0 if all workers succeed; else the first failing worker's code "
         "(128+S if killed by signal S), 130/143 on SIGINT/SIGTERM, "
         f"{TIMEOUT_EXIT_CODE} on timeout, 2 on bad arguments. With --ps: the chief's code, "
-        "or that of a ps task (or the last worker) that ended before the chief.",
+        "or that of a ps task (or the last worker) that ended before the chief. When the chief "
+        "is your own Python process (a notebook), start only the worker and ps tasks with "
+        "keras_strategies.launch.start_servers(script, workers=W, ps=P) instead.",
         allow_abbrev=False,
     )
     parser.add_argument("-n", "--workers", type=_positive_int, default=2, metavar="N",

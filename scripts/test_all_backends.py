@@ -14,7 +14,10 @@ after the other). The tests that start processes (workers, the launcher,
 notebook kernels; `tests/conftest.py` lists them) run apart: each backend runs
 as two pytest runs (`KS_TEST_SELECT`), its other tests beside the other
 backends', and its process tests in one of `KS_TEST_PROCESS_LANES` lanes
-(default 2) that take the backends in turn. Process tests of two lanes share
+(default 2) that take the backends in turn. A thread whose side-by-side runs
+are done takes process tests too (PyTorch's tests without processes end first):
+they start sooner, and less is left for the end, when fewer runs share the
+cores. Process tests of the lanes share
 the machine; a test that bounds a time holds a lock alone (`tests/conftest.py`),
 so that its bound never depends on another backend's processes. Beside other runs,
 `jax-keras-min` runs only the tests that start no process (the `jax` run runs
@@ -108,7 +111,8 @@ def run_all(backends: list[str], pytest_args: list[str], jobs: int, lanes: int) 
     """Runs the backends, `jobs` pytest runs at a time; returns {backend: (exit code, counts, seconds)}.
 
     With several backends, the process tests run in `lanes` threads of their own besides the
-    `jobs` threads; `KS_TEST_JOBS=1` runs everything in one thread.
+    `jobs` threads, which take process tests too once their own runs are done (never more
+    pytest runs at once than at the start); `KS_TEST_JOBS=1` runs everything in one thread.
     """
     side_by_side, lane = _parts(backends)
     pending: queue.Queue = queue.Queue()
@@ -123,15 +127,16 @@ def run_all(backends: list[str], pytest_args: list[str], jobs: int, lanes: int) 
         def run(part: tuple) -> None:
             results[part[0]].append(run_part(*part, pytest_args, directory))
 
-        def worker(parts: queue.Queue) -> None:
-            while True:
-                try:
-                    part = parts.get_nowait()
-                except queue.Empty:
-                    return
-                run(part)
+        def worker(*sources: queue.Queue) -> None:
+            for parts in sources:
+                while True:
+                    try:
+                        part = parts.get_nowait()
+                    except queue.Empty:
+                        break
+                    run(part)
 
-        threads = [threading.Thread(target=worker, args=(pending,))
+        threads = [threading.Thread(target=worker, args=(pending, lane_parts) if jobs > 1 else (pending,))
                    for _ in range(max(1, min(jobs, len(side_by_side))))]
         if jobs > 1:
             threads += [threading.Thread(target=worker, args=(lane_parts,)) for _ in range(min(lanes, len(lane)))]

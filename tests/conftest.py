@@ -92,6 +92,7 @@ _PROCESS_TESTS = (
     "tests/strategies/test_parameter_server.py::test_cluster_",
     "tests/strategies/test_parameter_server.py::test_ray_",
     "tests/coordinator/",
+    "tests/bench/",
 )
 
 
@@ -104,7 +105,8 @@ _RAY_TESTS = (
 
 
 _TIMED_TESTS = (
-    "tests/multi_worker/test_multi_worker_recovery.py::",
+    "tests/multi_worker/test_multi_worker_recovery.py::test_a_killed_worker_",
+    "tests/multi_worker/test_multi_worker_recovery.py::test_a_hung_worker_",
     "tests/multi_worker/test_multi_worker_config.py::test_watchdog_",
     "tests/strategies/test_parameter_server.py::test_cluster_a_dead_parameter_server_",
     "tests/strategies/test_parameter_server.py::test_ray_a_killed_parameter_server_",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from keras_strategies import launch as launch_module
-from keras_strategies.launch import free_ports, launch, main, split_command, tf_config_for
+from keras_strategies.launch import free_ports, launch, main, split_command, start_servers, tf_config_for
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the launcher tests use POSIX signals")
 
@@ -619,3 +619,76 @@ def test_launch_api_rejects_bad_ps_values(job):
 def test_split_command_knows_that_ps_takes_a_value():
     assert split_command(["--ps", "2", "--chief", "train.py", "--ps", "3"]) == (
         ["--ps", "2", "--chief"], ["train.py", "--ps", "3"])
+
+
+# --- a parameter-server cluster whose chief is the caller (start_servers) -------------------------
+
+
+def test_start_servers_starts_only_the_worker_and_ps_tasks_and_gives_the_caller_the_chief_s_tf_config(job):
+    out, err = io.StringIO(), io.StringIO()
+    servers = start_servers(job.path, [json.dumps({"*": {"do": "serve"}})], workers=2, ps=1, backend="jax",
+                            stdout=out, stderr=err)
+    try:
+        job.wait_for_files(["worker-0.ready", "worker-1.ready", "ps-0.ready"])
+        assert servers.tf_config["task"] == {"type": "chief", "index": 0}
+        cluster = servers.cluster_spec
+        assert list(cluster) == ["chief", "worker", "ps"] and [len(v) for v in cluster.values()] == [1, 2, 1]
+        assert len({a for v in cluster.values() for a in v}) == 4
+        assert servers.exited() == {}
+    finally:
+        servers.stop()
+    servers.stop()  # idempotent
+    reports = {task: json.loads(lines[0]) for task, lines in _by_task(out.getvalue()).items()}
+    assert sorted(reports) == ["ps 0", "worker 0", "worker 1"]  # no chief process: the caller is the chief
+    for task, report in reports.items():
+        kind, index = task.split()
+        assert report["config"] == {"cluster": cluster, "task": {"type": kind, "index": int(index)}}
+        assert report["env"]["KERAS_BACKEND"] == "jax"
+    assert not [line for line in err.getvalue().splitlines() if line.startswith("keras_strategies.launch")]
+    _assert_all_gone(job)
+
+
+def test_start_servers_reports_a_task_that_ends_while_serving(job):
+    err = io.StringIO()
+    plan = {"*": {"do": "serve"}, "worker 1": {"do": "exit", "code": 3}}
+    with start_servers(job.path, [json.dumps(plan)], workers=2, ps=1, stdout=io.StringIO(), stderr=err) as servers:
+        message = "keras_strategies.launch: worker 1 exited with code 3 while serving the chief."
+        deadline = time.monotonic() + 60
+        while message not in err.getvalue().splitlines():
+            assert time.monotonic() < deadline, f"worker 1's exit was never reported: {err.getvalue()!r}"
+            time.sleep(0.05)
+        assert servers.exited() == {"worker 1": 3}
+    _assert_all_gone(job)
+
+
+def test_start_servers_rejects_bad_values(job, tmp_path):
+    for kwargs, message in [(dict(workers=0), "`workers` must be an int >= 1, got 0"),
+                            (dict(ps=0), "`ps` must be an int >= 1, got 0"),
+                            (dict(grace=-1), "`grace` must be a number >= 0")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            start_servers(job.path, **kwargs)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        start_servers(str(tmp_path / "missing.py"))
+    assert not job.recorded_pids()  # nothing was started
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's")
+def test_start_servers_tasks_stop_when_the_caller_is_killed(job, tmp_path):
+    caller = tmp_path / "chief.py"
+    caller.write_text(textwrap.dedent(f"""
+        import sys, time, types
+        package = types.ModuleType("keras_strategies")  # the launcher alone, without Keras: a fast start
+        package.__path__ = [{str(REPO_ROOT / "keras_strategies")!r}]
+        sys.modules["keras_strategies"] = package
+        from keras_strategies.launcher.serving import start_servers
+        start_servers(sys.argv[1], [sys.argv[2]], workers=1, ps=1)
+        time.sleep(60)
+    """))
+    chief = subprocess.Popen([sys.executable, str(caller), job.path, json.dumps({"*": {"do": "serve"}})],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        job.wait_for_files(["worker-0.ready", "ps-0.ready"])
+    finally:
+        chief.kill()  # SIGKILL: no exit handler of the caller runs
+        chief.wait()
+    _assert_all_gone(job)

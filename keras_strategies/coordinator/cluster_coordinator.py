@@ -25,6 +25,13 @@ def remote_value_types(strategy: Any = None) -> tuple:
     return types
 
 
+def _compiled(fn: Any) -> Any:
+    """The `tf.function` inside a `ks.function`: TensorFlow's own coordinator schedules only a
+    `tf.function` (and traces a dataset function as one), so it gets the compiled function.
+    (The `ks.function` wrapper only syncs multi-worker variables, which this strategy has not.)"""
+    return getattr(fn, "_ks_compiled", fn)
+
+
 def _register_engine_types(runtime: Any) -> None:
     """`isinstance(value, ks.coordinator.RemoteValue)` holds for the engine's own values too."""
     for cls in getattr(runtime, "remote_value_types", ()):
@@ -69,6 +76,7 @@ class ClusterCoordinator:
         _register_engine_types(runtime)
         coordinator._strategy = strategy
         coordinator._impl = native if native is not None else ClosureQueue(runtime.workers())
+        coordinator._native = native is not None
         strategy._ks_coordinator = coordinator
         return coordinator
 
@@ -105,7 +113,7 @@ class ClusterCoordinator:
                 "`schedule` does not take a RemoteValue as an argument: call `.fetch()` on it first "
                 "(after `join()`), or compute the value inside the scheduled function."
             )
-        return self._impl.schedule(fn, args=args, kwargs=kwargs)
+        return self._impl.schedule(_compiled(fn) if self._native else fn, args=args, kwargs=kwargs)
 
     def join(self) -> None:
         """Waits until every scheduled function has run; raises the first error of one."""
@@ -122,7 +130,7 @@ class ClusterCoordinator:
     def create_per_worker_dataset(self, dataset_fn: Any) -> Any:
         """A dataset on every worker from `dataset_fn` (a function returning a dataset, or a
         dataset); `iter(...)` of it gives the per-worker iterator to pass to `schedule`."""
-        return self._impl.create_per_worker_dataset(dataset_fn)
+        return self._impl.create_per_worker_dataset(_compiled(dataset_fn) if self._native else dataset_fn)
 
     def __repr__(self) -> str:
         return f"ClusterCoordinator({self._strategy!r})"

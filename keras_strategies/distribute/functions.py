@@ -79,4 +79,5 @@ def function(fn: Callable[..., Any]) -> Callable[..., Any]:
         sync_new_variables_from_chief()
         return compiled(*args, **kwargs)
 
+    step._ks_compiled = compiled  # for schedulers that take only the compiled function (TF's coordinator)
     return step

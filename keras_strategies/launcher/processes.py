@@ -22,6 +22,30 @@ from typing import IO, Callable, Iterable, Sequence
 
 _POSIX = os.name == "posix"
 _PROC_STAT = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGTERM when its parent dies (Linux), else None.
+
+    libc is loaded here, before any fork: the child only makes the system call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None  # pragma: no cover - other systems: the caller's exit handler stops its tasks
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        return None
+    parent = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the call took effect
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def exit_code(returncode: int) -> int:
@@ -82,7 +106,9 @@ class WorkerProcess:
     """One running worker: its process group, two output pumps and a waiter thread.
 
     `on_exit(worker, returncode)` is called from the waiter thread once the
-    worker process itself has exited (its grandchildren may still run).
+    worker process itself has exited (its grandchildren may still run). With
+    `stop_with_parent` (Linux), the worker gets SIGTERM if this process dies,
+    even by SIGKILL, so that no worker outlives a caller that cannot stop it.
     """
 
     def __init__(
@@ -93,6 +119,7 @@ class WorkerProcess:
         stdout: LineWriter,
         stderr: LineWriter,
         on_exit: Callable[["WorkerProcess", int], None],
+        stop_with_parent: bool = False,
     ) -> None:
         self.name = name
         self.returncode: int | None = None
@@ -102,6 +129,9 @@ class WorkerProcess:
             group = {"preexec_fn": os.setpgrp}
         else:  # pragma: no cover - Windows
             group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}
+        preexec = _parent_death_signal() if stop_with_parent else None
+        if preexec is not None:
+            group["preexec_fn"] = preexec
         self.process = subprocess.Popen(
             list(command),
             env=env,

@@ -30,6 +30,36 @@ def run_program(name, args=(), workers=2, devices_per_worker=1, timeout=240, env
     return Run(code, out.getvalue(), err.getvalue(), time.monotonic() - started)
 
 
+# The programs whose tests share one start of the workers, per number of devices per worker: the
+# first keeps a fresh process, the others join its cluster (`programs/several.py`). Starting two
+# workers costs about 17 s of CPU time before they compute anything; the tutorial, the recovery
+# runs and the checks of a fresh process keep starts of their own.
+TOGETHER = {
+    1: (("train.py",), ("collectives.py",)),
+    2: (("train.py",), ("collectives.py", "wide-only"), ("sharded_input.py",)),
+}
+_together: dict = {}
+
+
+def run_together(program, devices_per_worker, tmp_path_factory):
+    """The output directory of `program` (a `TOGETHER` entry: name and arguments) after its
+    workers ran it with the other programs of its entry, once per test run; fails the test
+    with the workers' output unless every worker exited 0."""
+    if devices_per_worker not in _together:
+        entries = TOGETHER[devices_per_worker]
+        outs, args = {}, []
+        for entry in entries:
+            out = tmp_path_factory.mktemp("_".join(part.replace(".py", "") for part in entry) + f"_2x{devices_per_worker}")
+            outs[entry] = out
+            args += [*(["--"] if args else []), entry[0], out, *entry[1:]]
+        run = run_program("several.py", args, workers=2, devices_per_worker=devices_per_worker,
+                          timeout=240 * len(entries))
+        _together[devices_per_worker] = run, outs
+    run, outs = _together[devices_per_worker]
+    check(run)
+    return outs[program]
+
+
 def check(run):
     """Fails the test with the workers' output unless every worker exited 0."""
     import pytest

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from mw_launch import PROGRAMS, check, run_program
+from mw_launch import PROGRAMS, run_together
 
 sys.path.insert(0, PROGRAMS)
 from common import WIDE, build_wide_model, collective_values, keras_run, wide_data  # noqa: E402
@@ -22,8 +22,7 @@ from common import WIDE, build_wide_model, collective_values, keras_run, wide_da
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("collectives")
-    check(run_program("collectives.py", [out], workers=2))
+    out = run_together(("collectives.py",), 1, tmp_path_factory)
     return out, [np.load(out / f"worker_{i}.npz") for i in range(2)]
 
 
@@ -73,8 +72,7 @@ def test_donated_values_are_summed_once_even_when_given_twice(results):
 
 @pytest.fixture(scope="module")
 def wide_on_2x2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wide_2x2")
-    check(run_program("collectives.py", [out, "wide-only"], workers=2, devices_per_worker=2))
+    out = run_together(("collectives.py", "wide-only"), 2, tmp_path_factory)
     return out, [np.load(out / f"worker_{i}.npz") for i in range(2)]
 
 

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from mw_launch import PROGRAMS, check, run_program
+from mw_launch import PROGRAMS, run_together
 
 sys.path.insert(0, PROGRAMS)
 from common import build_model, data  # noqa: E402
@@ -25,8 +25,7 @@ def _global_batches(x, y):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded")
-    check(run_program("sharded_input.py", [out], workers=2, devices_per_worker=2))
+    out = run_together(("sharded_input.py",), 2, tmp_path_factory)
     return out, [np.load(out / f"worker_{i}.npz") for i in range(2)]
 
 

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from mw_launch import PROGRAMS, check, run_program
+from mw_launch import PROGRAMS, run_together
 
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
@@ -44,8 +44,7 @@ def run(request, tmp_path_factory):
     # Tests that check one configuration only parametrize `run` themselves, which makes pytest
     # set the fixture up again: each configuration's program still runs once.
     if request.param not in _runs:
-        out = tmp_path_factory.mktemp(f"mw{request.param}")
-        check(run_program("train.py", [out], workers=2, devices_per_worker=request.param))
+        out = run_together(("train.py",), request.param, tmp_path_factory)
         _runs[request.param] = out, request.param, [np.load(out / f"worker_{i}.npz") for i in range(2)]
     return _runs[request.param]
 

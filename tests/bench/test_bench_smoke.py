@@ -1,0 +1,81 @@
+"""Each benchmark script of `bench/` runs its `--smoke` mode on this run's backend and prints its table.
+
+A smoke run takes every code path of the script with tiny sizes (its numbers
+mean nothing), so a script that no longer runs against the package fails here.
+No timing is checked: a benchmark is not a test.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BACKEND = keras.backend.backend()
+NUMBER = re.compile(r"^\d+(\.\d+)?( \(\d+(\.\d+)?[–-]\d+(\.\d+)?\))?$")  # 1.23, or 1.23 (1.01–1.45)
+
+
+def run_smoke(script: str, timeout: float = 600) -> str:
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "3",
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)  # the scripts give each process its own devices
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--smoke", "--backends", BACKEND],
+                         env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if run.returncode != 0:
+        pytest.fail(f"{script} --smoke exited {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}",
+                    pytrace=False)
+    assert "SMOKE" in run.stdout, run.stdout
+    return run.stdout
+
+
+def table(output: str, header: str) -> list:
+    """The rows (lists of cells) of the Markdown table whose header row starts with `header`."""
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
+    assert start is not None, f"no table starting with {header!r} in:\n{output}"
+    rows = []
+    for line in lines[start + 2:]:  # past the header and the |---| line
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    assert rows, f"the table {header!r} has no rows:\n{output}"
+    return rows
+
+
+def is_number(cell: str) -> bool:
+    return bool(NUMBER.match(cell))
+
+
+def test_mirrored_step_time_smoke():
+    output = run_smoke("mirrored_step_time.py")
+    rows = table(output, "| backend | devices | ours ms/step |")
+    devices = "1" if BACKEND == "torch" else "2"  # the smoke run's one comparison per backend
+    assert [row[:2] for row in rows] == [[BACKEND, devices]], rows
+    ours, baseline, ratio = rows[0][2], rows[0][4], rows[0][5]
+    assert is_number(ours) and is_number(baseline) and is_number(ratio), rows
+    if devices != "1":  # one device runs Keras' own train step, which has no pieces of ours to time
+        assert table(output, "| backend | devices | train_step ms |")[0][0] == BACKEND  # the breakdown ran
+
+
+def test_multi_worker_step_time_smoke():
+    output = run_smoke("multi_worker_step_time.py")
+    steps = table(output, "| backend | ours ms/step (p10) |")
+    assert [row[0] for row in steps] == [BACKEND], steps
+    assert is_number(steps[0][1].split(" (")[0]) and is_number(steps[0][3].split(" (")[0]), steps
+    assert is_number(steps[0][4]), steps
+    reduce = table(output, "| backend | payload | ours ms |")
+    assert [row[0] for row in reduce] == [BACKEND], reduce
+    assert all(is_number(reduce[0][i]) for i in (2, 3, 5, 6, 7)), reduce
+    assert table(output, "| backend | train_step ms |")[0][0] == BACKEND  # the breakdown ran
+
+
+def test_parameter_server_step_time_smoke():
+    output = run_smoke("parameter_server_step_time.py")
+    rows = table(output, "| backend | measurement |")
+    assert [(row[0], row[1].split(",")[0]) for row in rows] == [(BACKEND, "fit"), (BACKEND, "round trip")], rows
+    for row in rows:
+        assert is_number(row[2]) and is_number(row[4]) and is_number(row[5]), row
+    assert rows[1][6].startswith(">= 0.80"), rows[1]
