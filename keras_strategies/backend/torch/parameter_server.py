@@ -26,7 +26,8 @@ class _TorchTensorOps(TensorOps):
         import torch
 
         with warnings.catch_warnings():
-            # Ray's arrays are read-only; the optimizer only reads its gradients, so they need no copy.
+            # Ray's arrays are read-only; the optimizer only reads its gradients (and `assign` copies
+            # them into the variable), so they need no copy of their own.
             warnings.filterwarnings("ignore", message=".*not writable.*")
             tensors = []
             for array in arrays:
@@ -35,6 +36,14 @@ class _TorchTensorOps(TensorOps):
                 except TypeError:  # a dtype PyTorch lacks
                     tensors.append(keras.ops.convert_to_tensor(array))
             return tensors
+
+    def assign(self, keras: Any, variable: Any, array: np.ndarray) -> None:
+        # The variable copies the values in place: no copy before that (Keras' conversion makes one).
+        tensor = self.gradients(keras, [array])[0]
+        if isinstance(tensor, np.ndarray) or tensor.dtype != variable.value.dtype:
+            variable.assign(array)
+        else:
+            variable.assign(tensor)
 
     def view(self, keras: Any, value: Any) -> np.ndarray:
         import torch
