@@ -68,7 +68,7 @@ class _JaxTensorOps(TensorOps):
             return np.asarray(value)  # no copy on CPU (Keras' `convert_to_numpy` copies)
         return super().view(keras, value)
 
-    def snapshot(self, keras: Any, value: Any) -> np.ndarray:
+    def snapshot(self, keras: Any, value: Any, buffers: list) -> np.ndarray:
         return self.view(keras, value)
 
 

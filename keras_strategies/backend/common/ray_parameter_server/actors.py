@@ -60,6 +60,7 @@ class ParameterShard:
         self.values: dict = {}  # piece id -> keras.Variable
         self.optimizers: dict = {}  # optimizer key -> (optimizer, [piece ids of its trainable pieces])
         self.applied: set = set()
+        self.read_buffers: dict = {}  # piece id -> earlier copies that `read` may reuse
         self.lock = threading.Lock()
 
     def ping(self) -> int:
@@ -69,6 +70,7 @@ class ParameterShard:
         """Forgets every variable and optimizer (a new strategy starts on the same processes)."""
         with self.lock:
             self.values.clear()
+            self.read_buffers.clear()
             self.optimizers.clear()
             self.applied.clear()
 
@@ -115,7 +117,8 @@ class ParameterShard:
         with self.lock:
             if forget_tokens:
                 self.applied.clear()
-            return [self.ops.snapshot(self.keras, self.values[pid]) for pid in pids]
+            return [self.ops.snapshot(self.keras, self.values[pid], self.read_buffers.setdefault(pid, []))
+                    for pid in pids]
 
     def write(self, values: dict) -> None:
         with self.lock, _no_grad(self.keras):

@@ -9,6 +9,7 @@ in fresh 16 MB allocations, so each copy saved counts.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,24 @@ class TensorOps:
         """Assigns a value received from Ray (a read-only NumPy array) to a worker's variable."""
         variable.assign(array)
 
-    def snapshot(self, keras: Any, value: Any) -> np.ndarray:
-        """A NumPy copy of `value` that later updates of its variable leave unchanged (a shard's `read`)."""
-        return np.array(self.view(keras, value))
+    def snapshot(self, keras: Any, value: Any, buffers: list) -> np.ndarray:
+        """A NumPy copy of `value` that later updates of its variable leave unchanged (a shard's `read`).
+
+        The copy goes into one of `buffers` (the piece's earlier copies) that nothing else references any
+        more (Ray has serialized it), which saves allocating fresh memory; else into a new one, kept when
+        `buffers` has fewer than two.
+        """
+        view = self.view(keras, value)
+        for index in range(len(buffers)):
+            # Held only by the list (and getrefcount's argument): Ray is done with it.
+            if sys.getrefcount(buffers[index]) == 2 and buffers[index].shape == view.shape \
+                    and buffers[index].dtype == view.dtype:
+                np.copyto(buffers[index], view)
+                return buffers[index]
+        copy = np.array(view)
+        if len(buffers) < 2:
+            buffers.append(copy)
+        return copy
 
     def view(self, keras: Any, value: Any) -> np.ndarray:
         """`value` as NumPy, a view where the backend allows it: only for values used before they change
