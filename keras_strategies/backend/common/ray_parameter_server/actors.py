@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from keras_strategies.backend.common.ray_parameter_server.tensors import tensor_ops
+
 
 def _import_keras(backend: str) -> Any:
     os.environ["KERAS_BACKEND"] = backend
@@ -54,9 +56,11 @@ class ParameterShard:
     def __init__(self, index: int, backend: str):
         self.index = index
         self.keras = _import_keras(backend)
+        self.ops = tensor_ops(backend)
         self.values: dict = {}  # piece id -> keras.Variable
         self.optimizers: dict = {}  # optimizer key -> (optimizer, [piece ids of its trainable pieces])
         self.applied: set = set()
+        self.read_buffers: dict = {}  # piece id -> earlier copies that `read` may reuse
         self.lock = threading.Lock()
 
     def ping(self) -> int:
@@ -66,6 +70,7 @@ class ParameterShard:
         """Forgets every variable and optimizer (a new strategy starts on the same processes)."""
         with self.lock:
             self.values.clear()
+            self.read_buffers.clear()
             self.optimizers.clear()
             self.applied.clear()
 
@@ -112,7 +117,8 @@ class ParameterShard:
         with self.lock:
             if forget_tokens:
                 self.applied.clear()
-            return [_numpy(self.keras, self.values[pid]) for pid in pids]
+            return [self.ops.snapshot(self.keras, self.values[pid], self.read_buffers.setdefault(pid, []))
+                    for pid in pids]
 
     def write(self, values: dict) -> None:
         with self.lock, _no_grad(self.keras):
@@ -140,8 +146,8 @@ class ParameterShard:
             optimizer, pieces = self.optimizers[key]
             chosen = [pid for pid in pieces if pid in grads]
             if chosen:
-                optimizer.apply([keras.ops.convert_to_tensor(grads[pid]) for pid in chosen],
-                                [self.values[pid] for pid in chosen])
+                self.ops.apply(keras, optimizer, self.ops.gradients(keras, [grads[pid] for pid in chosen]),
+                               [self.values[pid] for pid in chosen])
             else:
                 optimizer.iterations.assign_add(1)
 
@@ -184,6 +190,7 @@ class WorkerActor:
     def __init__(self, index: int, backend: str, shard_names: list):
         self.index = index
         self.keras = _import_keras(backend)
+        self.ops = tensor_ops(backend)
         self.shard_names = shard_names
         self.incarnation = uuid.uuid4().hex  # a restarted actor is a new process without any state
         self.shard_handles: dict = {}
@@ -296,7 +303,7 @@ class WorkerActor:
             for key in keys:
                 parts = [pieces[pid] for _, _, _, pid in self.layout[key]]
                 value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-                variables[key].assign(value)
+                self.ops.assign(self.keras, variables[key], value)
                 snapshot[key] = value
         return snapshot
 
@@ -337,7 +344,7 @@ class WorkerActor:
             if vkey is None or vkey not in self.layout:
                 raise RuntimeError(f"variable {variable.path} is not on the parameter servers: create it in "
                                    "strategy.scope() to train it with this optimizer")
-            value = _numpy(self.keras, grad)
+            value = self.ops.view(self.keras, grad)  # Ray copies it when the call is sent
             for shard, start, stop, pid in self.layout[vkey]:
                 by_shard[shard][pid] = value if start is None else value[start:stop]
         self._call_shards([(s, "apply", (key, token, g)) for s, g in sorted(by_shard.items())])
