@@ -599,8 +599,8 @@ def _packed(backend: str, arrays: list):
     return run
 
 
-def _interleaved(fns: dict, iters: int) -> dict:
-    """Seconds per call of each function: 3 warm-up calls each, then `iters` rounds of one call each.
+def _interleaved(fns: dict, iters: int, warmup: int = 3) -> dict:
+    """Seconds per call of each function: `warmup` calls each, then `iters` rounds of one call each.
 
     The functions alternate call by call, so slow drifts of the machine (load,
     frequency) fall on all of them alike, and each round runs them in a fresh
@@ -611,7 +611,7 @@ def _interleaved(fns: dict, iters: int) -> dict:
     (donated and kept calls, the same code on JAX, differed by 15%).
     """
     for fn in fns.values():
-        for _ in range(3):  # tracing, compilation, connections
+        for _ in range(warmup):  # tracing, compilation, connections
             fn()
     times: dict = {name: [] for name in fns}
     for round_ in range(iters):

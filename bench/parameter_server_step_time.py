@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -84,6 +83,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
 
 from mirrored_step_time import _limit_threads, print_provenance, source_fingerprint  # noqa: E402
+from multi_worker_step_time import _interleaved  # noqa: E402  (calls alternate in a fresh random order)
 
 RESULT_PREFIX = "BENCH-RESULT "
 PROGRESS_PREFIX = "bench: "  # a job's progress lines on stderr, which the parent passes on
@@ -178,23 +178,6 @@ def _payload_shapes(megabytes: float) -> list:
     return [(d, d), (d,)] * (TENSORS // 2)
 
 
-def _interleaved(fns: dict, iters: int) -> dict:
-    """Seconds per call of each function: 2 warm-up calls each, then `iters` rounds of one call each,
-    in a fresh random order each round (seeded by the round)."""
-    for fn in fns.values():
-        for _ in range(2):
-            fn()
-    times: dict = {name: [] for name in fns}
-    for round_ in range(iters):
-        names = list(fns)
-        random.Random(round_).shuffle(names)
-        for name in names:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def _round_trip_tensorflow(keras, ks, strategy, megabytes: float, iters: int) -> dict:
     """Ours (Keras variables, ks's coordinator) and raw (tf.Variables, TF's own coordinator), on the ps."""
     import numpy as np
@@ -225,7 +208,7 @@ def _round_trip_tensorflow(keras, ks, strategy, megabytes: float, iters: int) ->
     ours_coordinator = ks.coordinator.ClusterCoordinator(strategy)
     raw_coordinator = tf.distribute.coordinator.ClusterCoordinator(native)
     times = _interleaved({"ours": lambda: ours_coordinator.schedule(ours_fn).fetch(),
-                          "raw": lambda: raw_coordinator.schedule(raw_fn).fetch()}, iters)
+                          "raw": lambda: raw_coordinator.schedule(raw_fn).fetch()}, iters, warmup=2)
     return _round_trip_summary(times, shapes) | {"devices": devices}
 
 
@@ -289,7 +272,7 @@ def _ray_round_trip_closure(variables: list, optimizer, raw_name: str, iters: in
 
         worker._call_shards = timed
     try:
-        times = _interleaved({"ours": ours, "raw": raw_call}, iters)
+        times = _interleaved({"ours": ours, "raw": raw_call}, iters, warmup=2)
     finally:
         if worker is not None:
             worker.__dict__.pop("_call_shards", None)

@@ -10,13 +10,18 @@ tasks, returns at once, and gives the caller the chief's `TF_CONFIG`.
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 from typing import IO, Mapping, Sequence
 
 from keras_strategies.launcher.processes import LineWriter, WorkerProcess, describe_exit, stop_all
-from keras_strategies.launcher.supervisor import DEFAULT_GRACE, MESSAGE_PREFIX, _check_positive, worker_env
+from keras_strategies.launcher.supervisor import (
+    DEFAULT_GRACE,
+    MESSAGE_PREFIX,
+    _check_positive,
+    check_job_arguments,
+    worker_env,
+)
 from keras_strategies.launcher.tf_config import free_ports, task_name, tf_config_for
 
 
@@ -131,18 +136,8 @@ def start_servers(
         servers.stop()
         ```
     """
-    if not isinstance(script, str) or not script:
-        raise ValueError(f"`script` must be a non-empty path or module name, got {script!r}.")
-    if not module and not os.path.isfile(script):
-        raise FileNotFoundError(f"Script {script!r} not found (cwd: {os.getcwd()}).")
-    if isinstance(args, str):
-        raise TypeError(f"`args` must be a sequence of strings, not the string {args!r}.")
-    _check_positive("workers", workers, integer=True)
+    check_job_arguments(script, args, module, workers, devices_per_worker, grace)
     _check_positive("ps", ps, integer=True)
-    if devices_per_worker is not None:
-        _check_positive("devices_per_worker", devices_per_worker, integer=True)
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
-        raise ValueError(f"`grace` must be a number >= 0, got {grace!r}.")
 
     command = [sys.executable, *(["-m"] if module else []), script, *map(str, args)]
     lock = threading.Lock()

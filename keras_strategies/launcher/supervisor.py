@@ -70,6 +70,22 @@ def _check_positive(name: str, value: object, integer: bool) -> None:
         raise ValueError(f"`{name}` must be {kind}, got {value!r}.")
 
 
+def check_job_arguments(script: object, args: object, module: bool, workers: object,
+                        devices_per_worker: object, grace: object) -> None:
+    """The checks `launch` and `start_servers` share: a clear error naming the bad value."""
+    if not isinstance(script, str) or not script:
+        raise ValueError(f"`script` must be a non-empty path or module name, got {script!r}.")
+    if not module and not os.path.isfile(script):
+        raise FileNotFoundError(f"Script {script!r} not found (cwd: {os.getcwd()}).")
+    if isinstance(args, str):
+        raise TypeError(f"`args` must be a sequence of strings, not the string {args!r}.")
+    _check_positive("workers", workers, integer=True)
+    if devices_per_worker is not None:
+        _check_positive("devices_per_worker", devices_per_worker, integer=True)
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
+        raise ValueError(f"`grace` must be a number >= 0, got {grace!r}.")
+
+
 class _SignalCatcher:
     """Turns stop signals into queue events while installed (main thread only).
 
@@ -251,19 +267,9 @@ def launch(
         exit_code = launch("train.py", workers=3, chief=True, ps=2, timeout=600)
         ```
     """
-    if not isinstance(script, str) or not script:
-        raise ValueError(f"`script` must be a non-empty path or module name, got {script!r}.")
-    if not module and not os.path.isfile(script):
-        raise FileNotFoundError(f"Script {script!r} not found (cwd: {os.getcwd()}).")
-    if isinstance(args, str):
-        raise TypeError(f"`args` must be a sequence of strings, not the string {args!r}.")
-    _check_positive("workers", workers, integer=True)
-    if devices_per_worker is not None:
-        _check_positive("devices_per_worker", devices_per_worker, integer=True)
+    check_job_arguments(script, args, module, workers, devices_per_worker, grace)
     if timeout is not None:
         _check_positive("timeout", timeout, integer=False)
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
-        raise ValueError(f"`grace` must be a number >= 0, got {grace!r}.")
     check_roles(workers, chief, ps)
 
     command = [sys.executable, *(["-m"] if module else []), script, *map(str, args)]
