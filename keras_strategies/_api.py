@@ -41,6 +41,7 @@ from keras_strategies.input.options import (
 from keras_strategies.distribute.functions import function, value_and_grad
 from keras_strategies.input.distributed_dataset import DistributedDataset, DistributedIterator
 from keras_strategies.distribute.losses import compute_average_loss, scale_regularization_loss
+from keras_strategies.strategies.central_storage import CentralStorageStrategy
 from keras_strategies.strategies.mirrored import MirroredStrategy
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.multi_worker.health import LostWorkerError
@@ -58,6 +59,7 @@ _devices.configure_from_environment()
 _keras_integration.install()
 
 __all__ = [
+    "CentralStorageStrategy",
     "ClusterSpec",
     "CommunicationImplementation",
     "CommunicationOptions",

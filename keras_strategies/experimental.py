@@ -30,6 +30,7 @@ from keras_strategies.distribute import partitioners
 from keras_strategies.input.dataset_creator import DatasetCreator
 from keras_strategies.input.options import ValueContext
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
+from keras_strategies.strategies.central_storage import CentralStorageStrategy
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from keras_strategies.strategies.parameter_server import ParameterServerStrategy
 
@@ -37,6 +38,7 @@ CollectiveCommunication = CommunicationImplementation
 """TensorFlow's older name for `CommunicationImplementation`: the same enum."""
 
 __all__ = [
+    "CentralStorageStrategy",
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",

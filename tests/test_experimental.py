@@ -20,7 +20,7 @@ TF_EXPERIMENTAL = [
     "CommunicationOptions", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PreemptionCheckpointHandler",
     "PreemptionWatcher", "TPUStrategy", "TerminationConfig", "ValueContext", "coordinator", "partitioners", "rpc",
 ]
-NOT_PROVIDED = {"CentralStorageStrategy", "CollectiveHints", "PreemptionCheckpointHandler",
+NOT_PROVIDED = {"CollectiveHints", "PreemptionCheckpointHandler",
                 "PreemptionWatcher", "TPUStrategy", "TerminationConfig", "rpc"}
 
 

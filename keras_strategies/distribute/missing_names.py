@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Callable
 
 NOT_PROVIDED = {
-    "CentralStorageStrategy": "a strategy",
     "TPUStrategy": "a strategy",
     "PreemptionCheckpointHandler": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "PreemptionWatcher": "preemption handling (use keras.callbacks.BackupAndRestore)",
@@ -18,7 +17,10 @@ NOT_PROVIDED = {
     "rpc": "TF's experimental RPC",
 }
 
-PROVIDED = "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy and ParameterServerStrategy"
+PROVIDED = (
+    "OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy, MultiWorkerMirroredStrategy and "
+    "ParameterServerStrategy"
+)
 
 
 def attribute_error(module: str, tf_name: str, name: str) -> AttributeError:

@@ -85,8 +85,13 @@ class StrategyExtended:
 
     @property
     def host_device(self) -> str:
-        """Where cross-replica results (`reduce`, `gather`) are placed: the first replica device."""
-        return self._devices[0] if self._place_variables else "cpu:0"
+        """Where cross-replica results (`reduce`, `gather`) are placed: the variables' device."""
+        return self._variable_device if self._place_variables else "cpu:0"
+
+    @property
+    def _variable_device(self) -> str:
+        """Where the variables live and their updates run: the first replica device here."""
+        return self._devices[0]
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -285,7 +290,7 @@ class StrategyExtended:
         if not self._place_variables:
             yield
             return
-        with engine.devices.device_scope(self._devices[0]):
+        with engine.devices.device_scope(self._variable_device):
             yield
 
     # --- replica execution ---------------------------------------------------

@@ -52,6 +52,7 @@ class CustomStep:
         self.model = model
         self.strategy = strategy
         self.devices = strategy.extended.worker_devices
+        self.host = strategy.extended._variable_device  # where variables live and updates run
 
     def _run(self, kind: str, shards: Any) -> tuple[list, list, int]:
         """Per replica, the model's step outputs and (stateless steps) new states; and how many replicas had rows."""
@@ -92,7 +93,7 @@ class CustomStep:
         """Stateless steps (JAX) return one state per replica; it is combined and assigned."""
         if states[0] is None:
             return
-        host = self.devices[0]
+        host = self.host
         for (variables, policy), *per_replica in zip(engine.trainer.state_parts(self.model, kind), *states):
             for j, variable in enumerate(variables):
                 values = [engine.devices.copy_to(ops.convert_to_tensor(part[j]), host) for part in per_replica]
@@ -144,7 +145,7 @@ class CustomStep:
             return STOPPED
         outputs, _, replicas_with_rows = self._run("predict", shards)
         idle = replicas_with_rows == 0
-        host = self.devices[0]
+        host = self.host
         on_host = [tree.map_structure(lambda t: engine.devices.copy_to(ops.convert_to_tensor(t), host), o) for o in outputs]
         local = tree.map_structure(lambda *parts: ops.concatenate(parts, axis=0), *on_host) if len(on_host) > 1 else on_host[0]
         if self.strategy.extended._num_workers == 1:

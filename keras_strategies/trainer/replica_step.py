@@ -182,6 +182,7 @@ class ReplicaStep:
         self.model = model
         self.strategy = strategy
         self.devices = strategy.extended.worker_devices
+        self.host = strategy.extended._variable_device  # where variables live and updates run
         self.cross_device_ops = strategy.extended._cross_device_ops
         self.reduce_in_program = getattr(strategy.extended, "_default_cross_device_ops", False)
         self.num_workers = strategy.extended._num_workers
@@ -301,12 +302,12 @@ class ReplicaStep:
 
     def _reduce(self, reduce_op: ReduceOp, per_replica: list) -> list:
         """Reduces lists of per-replica tensors to the primary device with the cross-device ops."""
-        pairs = [(PerReplica(values), self.devices[0]) for values in zip(*per_replica)]
+        pairs = [(PerReplica(values), self.host) for values in zip(*per_replica)]
         return self.cross_device_ops.batch_reduce(reduce_op, pairs)
 
     def _assign_non_trainable(self, per_replica: list) -> None:
         """New non-trainable values: the mean over replicas with data for floats, replica 0 otherwise."""
-        host = self.devices[0]
+        host = self.host
         for variable, values in zip(self.model.non_trainable_variables, zip(*per_replica)):
             aggregation = getattr(variable, "aggregation", "none")
             if len(values) > 1 and _is_float(variable) and aggregation in ("mean", "none"):
@@ -348,7 +349,7 @@ class ReplicaStep:
     def _global_batch(self, shards: Shards) -> tuple:
         """`(rows, x, y, sample_weight)` of the global batch as tensors on the host device
         (user metrics may mix them with tensors)."""
-        with engine.devices.device_scope(self.devices[0]):
+        with engine.devices.device_scope(self.host):
             return (ops.convert_to_tensor(float(shards.batch), "float32"),) + as_tensors(
                 (shards.x, shards.y, shards.sample_weight)
             )
@@ -361,7 +362,7 @@ class ReplicaStep:
             compile_fn = (lambda fn, _: fn) if model.run_eagerly else engine.compiler.compile_stateful
             self._compiled_metrics = compile_fn(self._metrics_update, model.metrics_variables)
         rows, x, y, sample_weight = batch
-        with engine.devices.device_scope(self.devices[0]):
+        with engine.devices.device_scope(self.host):
             return self._compiled_metrics(loss, rows, x, y, predictions, sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
@@ -460,12 +461,12 @@ class ReplicaStep:
 
     def _on_host(self, value: Any) -> Any:
         """A replica's value on the first local device, where the update and the metrics run."""
-        return engine.devices.copy_to(value, self.devices[0])
+        return engine.devices.copy_to(value, self.host)
 
     def _apply_and_measure(self, grads: list, loss: Any, predictions: Any, batch: tuple) -> dict:
         """Applies the summed gradients once, then updates the metrics on the global batch."""
         model = self.model
-        with engine.devices.device_scope(self.devices[0]), optimizer_hooks.direct_update():
+        with engine.devices.device_scope(self.host), optimizer_hooks.direct_update():
             engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
         return self._update_metrics(batch, loss, predictions)
 
@@ -560,7 +561,7 @@ class ReplicaStep:
         clearly. A global batch larger than that number (the first step, a
         larger batch size) grows it on every worker and sends the rows again.
         """
-        host = self.devices[0]
+        host = self.host
         sum_across_workers = self.strategy.extended._cross_worker_sum
         what = "gradient all-reduce" if grads else "predictions all-gather"
         exchange = cross_worker.Exchange(sum_across_workers)

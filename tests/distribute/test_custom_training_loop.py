@@ -100,9 +100,10 @@ def test_guide_loop_with_a_regularized_model_trains_like_one_device(replicas):
     assert_trained_alike(*run_guide_loop(strategy, 12), *reference_guide_loop(12))
 
 
-def test_explicit_global_batch_size_with_a_partial_last_batch_trains_like_one_device():
+@pytest.mark.parametrize("strategy_class", [ks.MirroredStrategy, ks.CentralStorageStrategy])
+def test_explicit_global_batch_size_with_a_partial_last_batch_trains_like_one_device(strategy_class):
     # 10 samples, batch 4 on 3 replicas: shards [2, 1, 1] twice, then [1, 1, 0].
-    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+    strategy = strategy_class(["cpu:0", "cpu:1", "cpu:2"])
     losses, weights = run_guide_loop(strategy, 4, n=10, pass_global_batch_size=True, explicit_steps=3)
     assert_trained_alike(losses, weights, *reference_guide_loop(4, n=10, explicit_steps=3))
 

@@ -1,8 +1,10 @@
-"""`fit` / `evaluate` / `predict` under MirroredStrategy equal one device.
+"""`fit` / `evaluate` / `predict` under MirroredStrategy (and CentralStorageStrategy) equal one device.
 
 Every case trains the same model from the same initial weights with and
 without the strategy on the same global batches, for 1 to 4 replicas and for
-even, uneven, partial and smaller-than-replica-count batches.
+even, uneven, partial and smaller-than-replica-count batches. The
+CentralStorageStrategy cases share Mirrored's replica steps, with the
+variables and their update on the parameter device.
 """
 
 import keras
@@ -51,10 +53,20 @@ def image_data(n):
     return rng.normal(size=(n, 6, 6, 2)).astype("float32"), rng.integers(0, 3, size=(n,))
 
 
-def assert_same_fit(build, x, y, batch_size, replicas, epochs=2, cross_device_ops=None, **fit_kwargs):
+def make_strategy(name, replicas, cross_device_ops=None):
+    """A `name` ("mirrored" or "central storage") strategy over the first `replicas` CPU devices."""
+    devices = [f"cpu:{i}" for i in range(replicas)]
+    if name == "central storage":
+        assert cross_device_ops is None
+        return ks.CentralStorageStrategy(devices)
+    return ks.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def assert_same_fit(build, x, y, batch_size, replicas, epochs=2, cross_device_ops=None, strategy="mirrored",
+                    **fit_kwargs):
     """`fit` of `build()` on `replicas` devices equals one device (logs and weights); returns `(model, reference)`."""
     reference = build()
-    strategy = ks.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], cross_device_ops=cross_device_ops)
+    strategy = make_strategy(strategy, replicas, cross_device_ops)
     with strategy.scope():
         model = build()
     model.set_weights(reference.get_weights())
@@ -68,9 +80,11 @@ def assert_same_fit(build, x, y, batch_size, replicas, epochs=2, cross_device_op
     return model, reference
 
 
-def assert_same_training(build, x, y, batch_size, replicas, epochs=2, cross_device_ops=None, **fit_kwargs):
+def assert_same_training(build, x, y, batch_size, replicas, epochs=2, cross_device_ops=None, strategy="mirrored",
+                         **fit_kwargs):
     """`fit`, then `evaluate` and `predict`, equal one device."""
-    model, reference = assert_same_fit(build, x, y, batch_size, replicas, epochs, cross_device_ops, **fit_kwargs)
+    model, reference = assert_same_fit(build, x, y, batch_size, replicas, epochs, cross_device_ops, strategy,
+                                       **fit_kwargs)
     np.testing.assert_allclose(
         model.evaluate(x, y, batch_size=batch_size, verbose=0),
         reference.evaluate(x, y, batch_size=batch_size, verbose=0), **TOL,
@@ -82,19 +96,23 @@ def assert_same_training(build, x, y, batch_size, replicas, epochs=2, cross_devi
     return model
 
 
-@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "strategy, replicas",
+    [("mirrored", 1), ("mirrored", 2), ("mirrored", 3), ("mirrored", 4), ("central storage", 1),
+     ("central storage", 3)],
+)
 @pytest.mark.parametrize(
     "samples, batch_size",
     [(12, 4), (10, 4), (10, 6), (101, 32), (5, 2)],
     ids=["even", "uneven", "partial", "101-by-32", "smaller-than-replicas"],
 )
-def test_dense_fit_equals_one_device(replicas, samples, batch_size):
-    assert_same_training(dense_model, *regression_data(samples), batch_size, replicas)
+def test_dense_fit_equals_one_device(strategy, replicas, samples, batch_size):
+    assert_same_training(dense_model, *regression_data(samples), batch_size, replicas, strategy=strategy)
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_conv_fit_with_adam_and_accuracy_equals_one_device(replicas):
-    assert_same_training(conv_model, *image_data(10), batch_size=4, replicas=replicas)
+@pytest.mark.parametrize("strategy, replicas", [("mirrored", 2), ("mirrored", 3), ("central storage", 2)])
+def test_conv_fit_with_adam_and_accuracy_equals_one_device(strategy, replicas):
+    assert_same_training(conv_model, *image_data(10), batch_size=4, replicas=replicas, strategy=strategy)
 
 
 def token_data(n):
@@ -222,7 +240,8 @@ def test_an_uncompiled_model_predicts_and_asks_for_compile_elsewhere():
         with pytest.raises(ValueError, match=r"You must call `compile\(\)`"):
             call()
 
-def test_per_batch_logs_equal_one_device():
+@pytest.mark.parametrize("strategy", ["mirrored", "central storage"])
+def test_per_batch_logs_equal_one_device(strategy):
     """11 samples, batch 4, 2 replicas: the last batch splits [2, 1]."""
     x = np.arange(11, dtype="float32").reshape(11, 1) / 10.0
     y = 2.0 * x + 1.0
@@ -242,8 +261,7 @@ def test_per_batch_logs_equal_one_device():
 
     reference, expected = build(), Record()
     reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[expected])
-    strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
-    with strategy.scope():
+    with make_strategy(strategy, 2).scope():
         model = build()
     got = Record()
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[got])
