@@ -10,7 +10,6 @@ from typing import Callable
 
 NOT_PROVIDED = {
     "CentralStorageStrategy": "a strategy",
-    "TPUStrategy": "a strategy",
     "PreemptionCheckpointHandler": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "PreemptionWatcher": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "TerminationConfig": "preemption handling (use keras.callbacks.BackupAndRestore)",
@@ -18,7 +17,7 @@ NOT_PROVIDED = {
     "rpc": "TF's experimental RPC",
 }
 
-PROVIDED = "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy and ParameterServerStrategy"
+PROVIDED = "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, ParameterServerStrategy and TPUStrategy"
 
 
 def attribute_error(module: str, tf_name: str, name: str) -> AttributeError:
