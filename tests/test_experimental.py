@@ -21,7 +21,7 @@ TF_EXPERIMENTAL = [
     "PreemptionWatcher", "TPUStrategy", "TerminationConfig", "ValueContext", "coordinator", "partitioners", "rpc",
 ]
 NOT_PROVIDED = {"CentralStorageStrategy", "CollectiveHints", "PreemptionCheckpointHandler",
-                "PreemptionWatcher", "TPUStrategy", "TerminationConfig", "rpc"}
+                "PreemptionWatcher", "TerminationConfig", "rpc"}
 
 
 @pytest.mark.parametrize("module, names", [(ks, TF_DISTRIBUTE), (experimental, TF_EXPERIMENTAL)],
