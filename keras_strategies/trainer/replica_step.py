@@ -190,9 +190,9 @@ class ReplicaStep:
         self.reduce_in_program = getattr(strategy.extended, "_default_cross_device_ops", False)
         self.num_workers = strategy.extended._num_workers
         self._compiled = compiled = not model.run_eagerly
-        # Static shapes (TPUStrategy): every step's shards have the per-replica rows of the largest
-        # batch so far, compiled or not, on every engine.
-        self._static_shapes = strategy.extended.experimental_require_static_shapes
+        # Static shapes (TPUStrategy): the compiled programs' shards have the per-replica rows of the
+        # largest batch so far, on every engine (eager steps take each shard at its own size).
+        self._static_shapes = compiled and strategy.extended.experimental_require_static_shapes
         self._static_rows: dict = {}  # step kind -> rows of every shard
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}

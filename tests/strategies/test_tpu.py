@@ -88,6 +88,41 @@ def test_partial_last_batches_keep_the_shard_shape_and_train_exactly(data, shard
     np.testing.assert_allclose(predictions, reference.predict(x, batch_size=8, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+class ActivityPenalty(keras.layers.Layer):
+    """An `add_loss` term of the batch mean, which padding rows would enter."""
+
+    def call(self, inputs):
+        self.add_loss(0.1 * ops.mean(inputs))
+        return inputs
+
+
+@needs_runtime
+def test_a_model_whose_loss_padding_rows_would_enter_trains_exactly(data, shard_rows):
+    # Its padded partial batch runs eagerly at the shards' own sizes: exact, one slower step.
+    x, y = data
+    strategy = ks.TPUStrategy(_test_devices=DEVICES[:2])
+
+    def build(run_eagerly=False):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), ActivityPenalty(), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05), run_eagerly=run_eagerly)
+        return model
+
+    with strategy.scope():
+        model = build()
+    reference = build()
+    reference.set_weights(model.get_weights())
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Eager steps compile nothing: they cut each shard at its own size, with no padding rows.
+    with strategy.scope():
+        eager = build(run_eagerly=True)
+    del shard_rows[:]
+    eager.predict(x[16:], batch_size=8, verbose=0)
+    assert shard_rows == [[2, 1]]
+
+
 @needs_runtime
 def test_without_a_tpu_the_errors_are_tensorflow_s():
     with pytest.raises(ValueError, match="^Please provide a TPU Name to connect to."):
