@@ -48,6 +48,7 @@ from keras_strategies.multi_worker.health import LostWorkerError
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from keras_strategies.strategies.one_device import OneDeviceStrategy
 from keras_strategies.strategies.parameter_server import ParameterServerStrategy
+from keras_strategies.strategies.tpu import TPUStrategy, experimental_connect_to_cluster, initialize_tpu_system
 from keras_strategies.distribute.server import Server
 from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.distribute.strategy import Strategy, StrategyExtended
@@ -86,17 +87,20 @@ __all__ = [
     "Server",
     "Strategy",
     "StrategyExtended",
+    "TPUStrategy",
     "ValueContext",
     "cluster_resolver",
     "coordinator",
     "compute_average_loss",
     "experimental",
+    "experimental_connect_to_cluster",
     "experimental_set_strategy",
     "function",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "initialize_tpu_system",
     "list_devices",
     "scale_regularization_loss",
     "set_virtual_cpu_devices",

@@ -5,7 +5,7 @@ TensorFlow's multi-worker guide spells the communication options
 tf.distribute.experimental.CommunicationImplementation.RING)`; with
 `s/tf.distribute/ks/` that must keep working. The names TensorFlow keeps here
 for compatibility (`CollectiveCommunication`, the experimental
-`MultiWorkerMirroredStrategy`) are the same objects as the stable ones, as in
+`MultiWorkerMirroredStrategy`, `TPUStrategy`) are the same objects as the stable ones, as in
 TensorFlow. `ks.experimental.partitioners` holds the variable partitioners of
 ParameterServerStrategy (`import keras_strategies.experimental.partitioners`
 works too). Strategies and tools this package does not provide raise an
@@ -33,6 +33,7 @@ from keras_strategies.multi_worker.communication import CommunicationImplementat
 from keras_strategies.strategies.central_storage import CentralStorageStrategy
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from keras_strategies.strategies.parameter_server import ParameterServerStrategy
+from keras_strategies.strategies.tpu import TPUStrategy
 
 CollectiveCommunication = CommunicationImplementation
 """TensorFlow's older name for `CommunicationImplementation`: the same enum."""
@@ -45,6 +46,7 @@ __all__ = [
     "DatasetCreator",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "TPUStrategy",
     "ValueContext",
     "coordinator",
     "partitioners",

@@ -2,7 +2,8 @@
 
 A cluster resolver tells `ks.MultiWorkerMirroredStrategy` the cluster's
 addresses and this process's role in it; by default `TFConfigClusterResolver`
-reads them from `TF_CONFIG`. Backend-neutral: nothing here imports TensorFlow.
+reads them from `TF_CONFIG`; `TPUClusterResolver` names the TPU of `ks.TPUStrategy` (through the
+backend's TPU runtime). The others are backend-neutral: they import no TensorFlow.
 
 Examples:
     >>> spec = ks.cluster_resolver.ClusterSpec({"worker": ["host0:2222", "host1:2222"]})
@@ -17,10 +18,12 @@ from keras_strategies.cluster_resolver.resolvers import (
     SimpleClusterResolver,
     TFConfigClusterResolver,
 )
+from keras_strategies.cluster_resolver.tpu import TPUClusterResolver
 
 __all__ = [
     "ClusterResolver",
     "ClusterSpec",
     "SimpleClusterResolver",
     "TFConfigClusterResolver",
+    "TPUClusterResolver",
 ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Callable
 
 NOT_PROVIDED = {
-    "TPUStrategy": "a strategy",
     "PreemptionCheckpointHandler": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "PreemptionWatcher": "preemption handling (use keras.callbacks.BackupAndRestore)",
     "TerminationConfig": "preemption handling (use keras.callbacks.BackupAndRestore)",
@@ -18,8 +17,8 @@ NOT_PROVIDED = {
 }
 
 PROVIDED = (
-    "OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy, MultiWorkerMirroredStrategy and "
-    "ParameterServerStrategy"
+    "OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy, MultiWorkerMirroredStrategy, "
+    "ParameterServerStrategy and TPUStrategy"
 )
 
 

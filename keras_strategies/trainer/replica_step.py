@@ -96,7 +96,7 @@ class Shards:
     """A global batch cut into per-replica shards, padded where the engine needs it."""
 
     def __init__(self, data: Any, num_replicas: int, with_targets: bool, num_workers: int = 1, worker_index: int = 0,
-                 worker_rows: Any = None, equal_shapes: Optional[bool] = None):
+                 worker_rows: Any = None, equal_shapes: Optional[bool] = None, min_rows: int = 0):
         data = tree.map_structure(lambda leaf: None if leaf is None else engine.replicas.batch_leaf(leaf), data)
         if with_targets:
             self.x, self.y, self.sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -116,8 +116,12 @@ class Shards:
             all_sizes = [size for rows in worker_rows for size in shard_sizes(int(rows), num_replicas)]
             self.offset = int(sum(worker_rows[:worker_index]))
         self.sizes = all_sizes[worker_index * num_replicas:(worker_index + 1) * num_replicas]
-        # The same on every worker: every worker takes the same path through a step.
-        self.uneven = len(set(all_sizes)) > 1
+        # Static shapes (TPUStrategy): every shard padded to at least `min_rows` rows, so that a partial
+        # last batch has the shape of the full ones. Padded to one shape, shards then get padding rows
+        # when their sizes differ or fall short of `min_rows`: `uneven` (the same on every worker, so
+        # every worker takes the same path through a step).
+        self.min_rows = min_rows
+        self.uneven = len(set(all_sizes)) > 1 or min_rows > max(all_sizes, default=0)
         self.local_rows = sum(self.sizes)
         local = (self.x, self.y, self.sample_weight)
         if num_workers > 1 and self.global_input:
@@ -130,7 +134,7 @@ class Shards:
     def cut(self, equal_shapes: bool) -> None:
         """Cuts `per_replica`: padded to one shape (`equal_shapes`) or each at its own size."""
         if equal_shapes:
-            self.rows = [max(max(self.sizes), 1)] * len(self.sizes)
+            self.rows = [max(max(self.sizes), 1, self.min_rows)] * len(self.sizes)
         else:
             self.rows = [max(size, 1) for size in self.sizes]  # an empty replica runs one padding row
         self.padded = self.rows != self.sizes
@@ -161,9 +165,9 @@ def replicas_with_rows(sizes: Sequence[int]) -> list[int]:
 
 
 def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool,
-                equal_shapes: Optional[bool] = None) -> Shards:
+                equal_shapes: Optional[bool] = None, min_rows: int = 0) -> Shards:
     """This worker's shards of a global batch (of its own batch, with per-worker input), padded to
-    one shape if `equal_shapes` (default: where the engine needs it)."""
+    one shape if `equal_shapes` (default: where the engine needs it), of at least `min_rows` rows."""
     extended = strategy.extended
     worker_rows = None
     if worker_sharding.active():  # per-worker input: the workers tell each other their batch sizes
@@ -172,7 +176,7 @@ def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool,
         (rows,) = extended._cross_worker_sum([rows], "batch sizes of per-worker input")
         worker_rows = [int(round(float(r))) for r in ops.convert_to_numpy(rows)]
     return Shards(data, num_local, with_targets, extended._num_workers, extended._worker_index, worker_rows,
-                  equal_shapes)
+                  equal_shapes, min_rows)
 
 
 class ReplicaStep:
@@ -187,6 +191,10 @@ class ReplicaStep:
         self.reduce_in_program = getattr(strategy.extended, "_default_cross_device_ops", False)
         self.num_workers = strategy.extended._num_workers
         self._compiled = compiled = not model.run_eagerly
+        # Static shapes (TPUStrategy): the compiled programs' shards have the per-replica rows of the
+        # largest batch so far, on every engine (eager steps take each shard at its own size).
+        self._static_shapes = compiled and strategy.extended.experimental_require_static_shapes
+        self._static_rows: dict = {}  # step kind -> rows of every shard
         # Replicas may run in threads (one at a time): Keras' thread-local settings follow them.
         self._keras_state: dict = {}
         self._compiled_metrics = None
@@ -201,7 +209,7 @@ class ReplicaStep:
         # batch mean, an overridden `compute_loss`) would count the padding rows, so a model with
         # such terms runs its steps on uneven shards eagerly, each shard at its own size.
         self._uneven_runs: dict = {}
-        if compiled and engine.replicas.EQUAL_SHARDS:
+        if compiled and (engine.replicas.EQUAL_SHARDS or self._static_shapes):
             eager = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=False)
             self._uneven_runs = {"train": eager(self._replica_train), "test": eager(self._replica_test)}
         self._padding_enters: dict = {}  # step kind -> whether padding rows would enter its objective
@@ -366,9 +374,16 @@ class ReplicaStep:
             return self._compiled_metrics(loss, rows, x, y, predictions, sample_weight)
 
     # --- steps ----------------------------------------------------------------------------
-    def _shards(self, data: Any, with_targets: bool) -> Shards:
-        # Eager replica threads take shards of any shapes; compiled programs, what the engine needs.
-        shards = make_shards(self.strategy, data, len(self.devices), with_targets, None if self._compiled else False)
+    def _shards(self, data: Any, kind: str) -> Shards:
+        with_targets = kind != "predict"
+        # Eager replica threads take shards of any shapes; compiled programs, what the engine needs;
+        # static shapes, the per-replica rows of the largest batch so far.
+        if self._static_shapes:
+            batch = batch_size_of(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
+            rows = self._static_rows[kind] = max(self._static_rows.get(kind, 0), -(-batch // len(self.devices)))
+            shards = make_shards(self.strategy, data, len(self.devices), with_targets, True, rows)
+        else:
+            shards = make_shards(self.strategy, data, len(self.devices), with_targets, None if self._compiled else False)
         self._check_inputs(shards.x)
         return shards
 
@@ -472,7 +487,7 @@ class ReplicaStep:
 
     def train_step(self, data: Any, stop_asked: bool = False) -> Any:
         model = self.model
-        shards = self._shards(data, with_targets=True)
+        shards = self._shards(data, "train")
         loss_scale, full_batch = self._loss_scale(), self._is_full_batch(shards)
         if self._one_program("train", shards):
             if not model.optimizer.built:  # no variables are created inside a compiled step
@@ -510,7 +525,7 @@ class ReplicaStep:
         return self._update_metrics(batch, loss, self._global_predictions(sizes, [aux[1] for aux in outputs]))
 
     def test_step(self, data: Any, stop_asked: bool = False) -> Any:
-        shards = self._shards(data, with_targets=True)
+        shards = self._shards(data, "test")
         if self._one_program("test", shards):
             return self._compiled_step("test")(self._per_replica(shards, 1.0), self._global_batch(shards), tuple(shards.sizes))
         outputs = self._run_on_replicas("test", shards, 1.0)
@@ -529,7 +544,7 @@ class ReplicaStep:
         return self._update_metrics(self._global_batch(shards), loss, global_predictions)
 
     def predict_step(self, data: Any, stop_asked: bool = False) -> Any:
-        shards = self._shards(data, with_targets=False)
+        shards = self._shards(data, "predict")
         per_replica = [(x, mask) for x, _, _, mask in shards.per_replica]
         outputs = self._predict(self._state(with_metrics=False), per_replica)
         if self.num_workers > 1:

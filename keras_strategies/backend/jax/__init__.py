@@ -10,3 +10,4 @@ from keras_strategies.backend.jax import collectives  # noqa: F401
 from keras_strategies.backend.jax import keras_hooks  # noqa: F401
 from keras_strategies.backend.jax import nccl  # noqa: F401
 from keras_strategies.backend.jax import parameter_server  # noqa: F401
+from keras_strategies.backend.jax import tpu  # noqa: F401

@@ -10,3 +10,4 @@ from keras_strategies.backend.tensorflow import trainer  # noqa: F401
 from keras_strategies.backend.tensorflow import collectives  # noqa: F401
 from keras_strategies.backend.tensorflow import keras_hooks  # noqa: F401
 from keras_strategies.backend.tensorflow import nccl  # noqa: F401
+from keras_strategies.backend.tensorflow import tpu  # noqa: F401

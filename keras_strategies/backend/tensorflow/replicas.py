@@ -189,16 +189,18 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
     `variables` matters to engines whose replicas share per-variable state (torch's `.grad`).
     """
     strategy = _tf_strategy(devices)
+    # TensorFlow runs TPU replicas only inside a `tf.function`, on the static shapes the TPU compiles for.
+    tpu = isinstance(strategy, tf.distribute.TPUStrategy)
 
     def step(shared, distributed):
         def replica_fn(shared, own):
-            if compiled:  # our steps; a user's `run` keeps TF's shapes
+            if compiled and not tpu:  # our steps; a user's `run` keeps TF's shapes
                 own = tree.map_structure(_any_batch_size, own)
             return fn(_replica_id(), *shared, *own)
 
         return strategy.run(replica_fn, args=(shared, distributed))
 
-    if compiled:
+    if compiled or tpu:
         # A partial has no `__code__`: TF counts traces per code object, so every replicated step
         # (train, test, predict, of every model) would share one count and warn of "frequent
         # retracing" after a few first traces; this way each function has its own count.

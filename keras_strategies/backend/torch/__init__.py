@@ -10,3 +10,4 @@ from keras_strategies.backend.torch import collectives  # noqa: F401
 from keras_strategies.backend.torch import keras_hooks  # noqa: F401
 from keras_strategies.backend.torch import nccl  # noqa: F401
 from keras_strategies.backend.torch import parameter_server  # noqa: F401
+from keras_strategies.backend.torch import tpu  # noqa: F401

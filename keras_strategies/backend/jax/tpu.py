@@ -1,0 +1,95 @@
+"""JAX's TPU runtime: the TPU chips JAX sees on this host (`jax.devices("tpu")`).
+
+JAX runs on a Cloud TPU VM's own chips; it has no client for TensorFlow's
+remote TPU nodes (a TPU name or a `grpc://` address), so those are refused
+with a clear error. The messages without a TPU are TensorFlow's own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import jax
+
+from keras_strategies.backend.jax import devices as jax_devices
+
+NO_TPU_NAME = "Please provide a TPU Name to connect to."
+NOT_FOUND = "TPUs not found in the cluster."
+
+
+def check_runtime() -> None:
+    """JAX has a TPU runtime (`jax[tpu]`): nothing to refuse."""
+
+
+def _local_tpus() -> list[str]:
+    return [name for name in jax_devices.list_devices() if name.startswith("tpu:")]
+
+
+def resolve(tpu: Optional[str], **_: Any) -> dict:
+    """What a `TPUClusterResolver(tpu=...)` names, as `{"master": ..., "local": True}`.
+
+    No name (or `TPU_NAME`) means the chips of this TPU VM; `"local"` means the same.
+    """
+    name = tpu if tpu else os.environ.get("TPU_NAME", "")
+    if name in ("", "local"):
+        if not name and not _local_tpus():
+            raise ValueError(
+                f"{NO_TPU_NAME} JAX sees no TPU on this machine (its devices: "
+                f"{jax_devices.list_devices()}); on a Cloud TPU VM, install `jax[tpu]`."
+            )
+        return {"master": "", "local": True}
+    raise ValueError(
+        f"JAX cannot connect to the TPU {name!r}: it runs on the chips of the TPU VM it runs on, "
+        "not on a remote TPU node. Run the program on the TPU VM with "
+        "`ks.cluster_resolver.TPUClusterResolver(tpu='local')` (or no name)."
+    )
+
+
+def master(handle: Any) -> str:
+    return handle["master"]
+
+
+def cluster_spec(handle: Any) -> dict:
+    """One host, no remote jobs: an empty cluster, as TensorFlow's resolver for `tpu='local'`."""
+    return {}
+
+
+def num_accelerators(handle: Any) -> dict:
+    count = len(_local_tpus())
+    return {"TPU": count} if count else {}
+
+
+def connect_to_cluster(handle: Any) -> None:
+    """Nothing to connect: the chips of this host are JAX's local devices."""
+
+
+def initialize_tpu_system(handle: Any) -> Any:
+    """Checks that JAX sees TPU chips (JAX initialises them itself)."""
+    found = _local_tpus()
+    if not found:
+        raise RuntimeError(
+            f"{NOT_FOUND} JAX sees no TPU device on this machine (its devices: {jax_devices.list_devices()}); "
+            "on a Cloud TPU VM, install `jax[tpu]`."
+        )
+    return None
+
+
+def replica_devices(handle: Any, device_assignment: Any, spmd: bool) -> list[str]:
+    """The TPU cores the replicas run on: every TPU device of this host, in JAX's order."""
+    if device_assignment is not None or spmd:
+        raise NotImplementedError(
+            "TPUStrategy on JAX takes no device assignment and no SPMD partitioning: each TPU "
+            "core of this host runs one replica."
+        )
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            f"TPUStrategy on JAX runs on the TPU chips of one host; this program runs on "
+            f"{jax.process_count()} hosts (jax.distributed), which it does not support."
+        )
+    found = _local_tpus()
+    if not found:
+        raise RuntimeError(f"{NOT_FOUND} JAX sees no TPU device on this machine (its devices: "
+                           f"{jax_devices.list_devices()}).")
+    return found
+
