@@ -51,11 +51,14 @@ def is_number(cell: str) -> bool:
 
 def test_mirrored_step_time_smoke():
     output = run_smoke("mirrored_step_time.py")
-    rows = table(output, "| backend | devices | ours ms/step |")
-    devices = "1" if BACKEND == "torch" else "2"  # the smoke run's one comparison per backend
-    assert [row[:2] for row in rows] == [[BACKEND, devices]], rows
-    ours, baseline, ratio = rows[0][2], rows[0][4], rows[0][5]
-    assert is_number(ours) and is_number(baseline) and is_number(ratio), rows
+    rows = table(output, "| backend | devices | ours | ours ms/step |")
+    devices = "1" if BACKEND == "torch" else "2"  # the smoke run's comparisons per backend
+    assert [row[:3] for row in rows] == [[BACKEND, devices, "ks.MirroredStrategy"],
+                                         [BACKEND, devices, "ks.CentralStorageStrategy"]], rows
+    assert rows[1][4] == "ks.MirroredStrategy", rows
+    for row in rows:
+        ours, baseline, ratio = row[3], row[5], row[6]
+        assert is_number(ours) and is_number(baseline) and is_number(ratio), rows
     if devices != "1":  # one device runs Keras' own train step, which has no pieces of ours to time
         assert table(output, "| backend | devices | train_step ms |")[0][0] == BACKEND  # the breakdown ran
 
