@@ -39,6 +39,7 @@ Usage:
     python bench/mirrored_step_time.py --smoke --backends jax  # every code path, tiny sizes (the test suite's run)
     python bench/mirrored_step_time.py --backends jax --devices 1,2
     python bench/mirrored_step_time.py --repeats 3          # 3 interleaved runs per cell (less noise)
+    python bench/mirrored_step_time.py --compare central    # only CentralStorage against Mirrored
     python bench/mirrored_step_time.py --threads 0          # backend-default intra-op threads (default 1)
     python bench/mirrored_step_time.py --source /tmp/ks_snapshot  # a frozen copy of the package
     python bench/mirrored_step_time.py --worker --backend jax --devices 2 --mode ks --profile 20
@@ -58,6 +59,8 @@ import time
 RESULT_PREFIX = "BENCH-RESULT "
 BACKENDS = ("tensorflow", "jax", "torch")
 TARGET = 1.05
+# our mode -> the `--compare` choice that selects its comparisons
+COMPARE_OF = {"ks": "mirrored", "ks_central": "central"}
 # (ours, baseline) -> the ratio ours/baseline to stay under, where it is not TARGET
 TARGETS = {("ks_central", "ks"): 1.10}
 
@@ -504,7 +507,7 @@ def run_parent(args) -> int:
     if args.smoke:
         steps, epochs, args.repeats, args.breakdown = 2, 1, 1, min(args.breakdown, 2)
         device_counts = [1, 2]
-    pairs = comparisons(backends, device_counts)
+    pairs = [p for p in comparisons(backends, device_counts) if args.compare in ("all", COMPARE_OF[p[2]])]
     if args.smoke:
         pairs = smoke_pairs(pairs)
     if not pairs:
@@ -666,6 +669,10 @@ def main(argv=None) -> int:
                         help="parent: every code path with tiny sizes, for the test suite (numbers mean nothing): "
                              "2 steps, 1 run, per backend one comparison on 2 devices (PyTorch: 1 device) "
                              "and CentralStorage against Mirrored on them")
+    parser.add_argument("--compare", choices=("all", "mirrored", "central"), default="all",
+                        help="parent: which comparisons: ks.MirroredStrategy against plain Keras and the native "
+                             "strategies (mirrored), ks.CentralStorageStrategy against ks.MirroredStrategy "
+                             "(central), or both (default)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="parent: interleaved runs per cell, median of medians (default 1)")
     parser.add_argument("--threads", type=int, default=1,

@@ -86,3 +86,33 @@ def test_a_multi_worker_tf_config_is_refused(monkeypatch):
         ks.CentralStorageStrategy()
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}))
     assert ks.CentralStorageStrategy(["cpu:0"]).num_replicas_in_sync == 1
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_replicas_compute_there_and_the_variables_stay_on_the_cpu(gpus):
+    """`make test-gpu`: the defaults over 2 GPUs keep the variables on the CPU; fit equals one device."""
+    x = np.linspace(-1, 1, 22, dtype="float32").reshape(11, 2)
+    y = x @ np.array([[0.5], [-1.5]], "float32")
+
+    def build():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1), metrics=["mae"])
+        return model
+
+    strategy = ks.CentralStorageStrategy(gpus)
+    assert strategy.extended.worker_devices == tuple(gpus)
+    assert strategy.extended.parameter_devices == ("cpu:0",)
+    with strategy.scope():
+        model = build()
+    reference = build()
+    model.set_weights(reference.get_weights())
+    got = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    expected = reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6)
+    for got_w, expected_w in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got_w, expected_w, rtol=1e-5, atol=1e-6)
+    assert {engine.devices.device_of(v) for v in model.variables} == {"cpu:0"}
+    per_replica = strategy.run(lambda: ops.ones((1,)))
+    seen = [engine.devices.device_of(v) for v in strategy.experimental_local_results(per_replica)]
+    assert seen == list(gpus)
