@@ -31,28 +31,34 @@ def test_defaults_follow_tensorflow():
     assert ks.experimental.CentralStorageStrategy is ks.CentralStorageStrategy
 
 
-def test_variables_and_their_updates_stay_on_the_parameter_device():
-    """Compute on cpu:1 and cpu:2, variables on cpu:0; training equals one device."""
-    x = np.linspace(-1, 1, 14, dtype="float32").reshape(7, 2)
+def fit_like_one_device(strategy, optimizer, rows=7, batch_size=3):
+    """`fit` of a small model under `strategy` equals one device (logs and weights); returns the model."""
+    x = np.linspace(-1, 1, 2 * rows, dtype="float32").reshape(rows, 2)
     y = x @ np.array([[1.0], [-1.0]], "float32")
 
     def build():
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
-        model.compile(loss="mse", optimizer=keras.optimizers.Adam(0.05), metrics=["mae"])
+        model.compile(loss="mse", optimizer=optimizer(), metrics=["mae"])
         return model
 
-    strategy = ks.CentralStorageStrategy(compute_devices=["cpu:1", "cpu:2"], parameter_device="/device:CPU:0")
-    assert strategy.extended.worker_devices == ("cpu:1", "cpu:2")
     with strategy.scope():
         model = build()
     reference = build()
     model.set_weights(reference.get_weights())
-    kwargs = dict(batch_size=3, epochs=2, shuffle=False, verbose=0)
+    kwargs = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
     got, expected = model.fit(x, y, **kwargs).history, reference.fit(x, y, **kwargs).history
     for key in expected:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6)
     for got_w, expected_w in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got_w, expected_w, rtol=1e-5, atol=1e-6)
+    return model
+
+
+def test_variables_and_their_updates_stay_on_the_parameter_device():
+    """Compute on cpu:1 and cpu:2, variables on cpu:0; training equals one device."""
+    strategy = ks.CentralStorageStrategy(compute_devices=["cpu:1", "cpu:2"], parameter_device="/device:CPU:0")
+    assert strategy.extended.worker_devices == ("cpu:1", "cpu:2")
+    model = fit_like_one_device(strategy, lambda: keras.optimizers.Adam(0.05))
     for variable in model.variables + model.optimizer.variables:
         assert engine.devices.device_of(variable) == placed("cpu:0"), variable.path
     total = strategy.reduce("sum", strategy.run(lambda: ops.ones(())), axis=None)
@@ -91,27 +97,10 @@ def test_a_multi_worker_tf_config_is_refused(monkeypatch):
 @pytest.mark.gpu
 def test_on_two_gpus_replicas_compute_there_and_the_variables_stay_on_the_cpu(gpus):
     """`make test-gpu`: the defaults over 2 GPUs keep the variables on the CPU; fit equals one device."""
-    x = np.linspace(-1, 1, 22, dtype="float32").reshape(11, 2)
-    y = x @ np.array([[0.5], [-1.5]], "float32")
-
-    def build():
-        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
-        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1), metrics=["mae"])
-        return model
-
     strategy = ks.CentralStorageStrategy(gpus)
     assert strategy.extended.worker_devices == tuple(gpus)
     assert strategy.extended.parameter_devices == ("cpu:0",)
-    with strategy.scope():
-        model = build()
-    reference = build()
-    model.set_weights(reference.get_weights())
-    got = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
-    expected = reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
-    for key in expected:
-        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6)
-    for got_w, expected_w in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got_w, expected_w, rtol=1e-5, atol=1e-6)
+    model = fit_like_one_device(strategy, lambda: keras.optimizers.SGD(0.1), rows=11, batch_size=4)
     assert {engine.devices.device_of(v) for v in model.variables} == {"cpu:0"}
     per_replica = strategy.run(lambda: ops.ones((1,)))
     seen = [engine.devices.device_of(v) for v in strategy.experimental_local_results(per_replica)]

@@ -25,6 +25,18 @@ def build_model():
     return model
 
 
+def assert_fit_like_one_device(strategy, build, x, y, epochs, rtol=1e-5, atol=1e-6):
+    """`fit` of `build()` under `strategy`, from the same weights, ends with the weights of one device."""
+    with strategy.scope():
+        model = build()
+    reference = build()
+    reference.set_weights(model.get_weights())
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
 @pytest.fixture(scope="module")
 def data():
     rng = np.random.default_rng(0)
@@ -107,14 +119,7 @@ def test_a_model_whose_loss_padding_rows_would_enter_trains_exactly(data, shard_
         model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05), run_eagerly=run_eagerly)
         return model
 
-    with strategy.scope():
-        model = build()
-    reference = build()
-    reference.set_weights(model.get_weights())
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_fit_like_one_device(strategy, build, x, y, epochs=1)
     # Eager steps compile nothing: they cut each shard at its own size, with no padding rows.
     with strategy.scope():
         eager = build(run_eagerly=True)
@@ -158,12 +163,4 @@ def test_on_tpu_cores_fit_matches_one_device(data):
     ks.initialize_tpu_system(resolver)
     strategy = ks.TPUStrategy(resolver)
     assert strategy.cluster_resolver is resolver
-    x, y = data
-    with strategy.scope():
-        model = build_model()
-    reference = build_model()
-    reference.set_weights(model.get_weights())
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+    assert_fit_like_one_device(strategy, build_model, *data, epochs=2, rtol=1e-3, atol=1e-4)
