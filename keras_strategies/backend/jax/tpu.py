@@ -64,14 +64,20 @@ def connect_to_cluster(handle: Any) -> None:
     """Nothing to connect: the chips of this host are JAX's local devices."""
 
 
-def initialize_tpu_system(handle: Any) -> Any:
-    """Checks that JAX sees TPU chips (JAX initialises them itself)."""
+def _found_tpus() -> list[str]:
+    """This host's TPU devices; TensorFlow's error when there are none."""
     found = _local_tpus()
     if not found:
         raise RuntimeError(
             f"{NOT_FOUND} JAX sees no TPU device on this machine (its devices: {jax_devices.list_devices()}); "
             "on a Cloud TPU VM, install `jax[tpu]`."
         )
+    return found
+
+
+def initialize_tpu_system(handle: Any) -> Any:
+    """Checks that JAX sees TPU chips (JAX initialises them itself)."""
+    _found_tpus()
     return None
 
 
@@ -87,9 +93,5 @@ def replica_devices(handle: Any, device_assignment: Any, spmd: bool) -> list[str
             f"TPUStrategy on JAX runs on the TPU chips of one host; this program runs on "
             f"{jax.process_count()} hosts (jax.distributed), which it does not support."
         )
-    found = _local_tpus()
-    if not found:
-        raise RuntimeError(f"{NOT_FOUND} JAX sees no TPU device on this machine (its devices: "
-                           f"{jax_devices.list_devices()}).")
-    return found
+    return _found_tpus()
 
