@@ -62,7 +62,9 @@ class HealthMonitor:
         self._me = cluster.worker_index
         self._peers = [i for i in range(cluster.num_workers) if i != self._me]
         now = time.monotonic()
-        self._seen = {i: (None, now) for i in self._peers}  # last heartbeat value, when it changed
+        # Per peer: its last heartbeat value, when it changed, and how many of our reads of the
+        # store since then found it unchanged.
+        self._seen = {i: (None, now, 0) for i in self._peers}
         self._store_ok_at = now
         self._completed = 0
         self._in_flight_since: Optional[float] = None
@@ -122,8 +124,11 @@ class HealthMonitor:
             if values is not None:
                 self._store_ok_at = now
                 for peer, value in values.items():
-                    if value is not None and value != self._seen[peer][0]:
-                        self._seen[peer] = (value, now)
+                    last, changed_at, unchanged = self._seen[peer]
+                    if value is not None and value != last:
+                        self._seen[peer] = (value, now, 0)
+                    else:
+                        self._seen[peer] = (last, changed_at, unchanged + 1)
             self._stop.wait(self._interval)
 
     def _diagnose(self, now: float, waited: float) -> Optional[str]:
@@ -134,7 +139,7 @@ class HealthMonitor:
         left = [p for p in self._peers if self._state(p)[0] == LEFT and self._state(p)[1] <= self._completed]
         if left:
             return f"{self._names(left)} left the cluster (its program ended or failed) before this collective"
-        dead = [p for p in self._peers if now - self._seen[p][1] > self._dead_after]
+        dead = [p for p in self._peers if self._silent(p)]
         if dead:
             return f"{self._names(dead)} sent no heartbeat for {self._dead_after:.0f} s: it died or was stopped"
         if waited > self._timeout:
@@ -143,6 +148,17 @@ class HealthMonitor:
             return (f"{who} did not join it within timeout_seconds={self._timeout:g} s (hung, or much "
                     "slower than the others)")
         return None
+
+    def _silent(self, peer: int) -> bool:
+        """Whether `peer`'s heartbeat stayed unchanged for `dead_after` seconds of our reads of the store.
+
+        Counted in reads as well as in time: when this process or the store is stalled (a saturated
+        CPU, a long call holding the GIL), time passes without a read, and the peer is not blamed
+        for heartbeats that nobody looked at.
+        """
+        _, changed_at, unchanged = self._seen[peer]
+        return (self._store_ok_at - changed_at > self._dead_after
+                and unchanged * self._interval >= self._dead_after)
 
     def _state(self, peer: int) -> tuple:
         """(`"left"` or the heartbeat counter, collectives completed) of a peer's last heartbeat."""

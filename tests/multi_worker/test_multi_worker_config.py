@@ -195,6 +195,43 @@ def test_watchdog_names_a_peer_whose_heartbeat_stops():
         monitor.stop()
 
 
+def test_a_live_peer_is_not_called_dead_while_this_worker_cannot_read_the_store():
+    """A stall on this side (slow store, starved process) is time without reads, not a peer's silence."""
+    store = _Store()
+    slow_reads = threading.Event()
+    slow_reads.set()
+
+    def try_get(key):
+        if slow_reads.is_set():
+            time.sleep(1.5)  # longer than dead_after: each read sees a new value, but late
+        return store.try_get(key)
+
+    beating = threading.Event()
+
+    def peer():
+        seq = 0
+        while not beating.is_set():
+            seq += 1
+            store.set("keras_strategies/heartbeat/1", f"{seq} 0")
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    monitor = HealthMonitor(_two_workers(), store.set, try_get, timeout=60, dead_after=1.0, interval=0.1)
+    try:
+        monitor.begin("gradient all-reduce")
+        time.sleep(4.0)
+        assert monitor.error is None, monitor.error
+        beating.set()  # the peer dies; reads are fast again: its silence is noticed
+        slow_reads.clear()
+        error = _wait_for_error(monitor, 5)
+        assert error is not None and "worker 1 (127.0.0.1:2) sent no heartbeat" in str(error)
+        monitor.end()
+    finally:
+        beating.set()
+        monitor.stop()
+
+
 def test_watchdog_names_a_live_peer_that_never_joins_within_the_timeout():
     store = _Store()
     monitor = HealthMonitor(_two_workers(), store.set, store.try_get, timeout=1.0, dead_after=30, interval=0.1)

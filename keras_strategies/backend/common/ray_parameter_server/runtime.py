@@ -61,6 +61,10 @@ def ensure_ray(address: Optional[str] = None) -> None:
         # cluster; then every Ray server of this runtime binds to and advertises 127.0.0.1.
         from ray._private import ray_constants
 
+        # Ray starts its worker processes at niceness 15, as background work; here they are the
+        # training itself (its workers and parameter servers), which must not yield to every other
+        # process of the machine (the chief runs at the user's niceness).
+        os.environ.setdefault("RAY_worker_niceness", "0")
         saved = ray_constants.ENABLE_RAY_CLUSTER
         ray_constants.ENABLE_RAY_CLUSTER = False
         try:
