@@ -16,15 +16,23 @@ NOT_PROVIDED = {
     "rpc": "TF's experimental RPC",
 }
 
+# `tf.distribute.cluster_resolver` names without a counterpart in `ks.cluster_resolver`.
+NOT_PROVIDED_RESOLVERS = {
+    "GCEClusterResolver": "a resolver of Google Compute Engine instance groups (pass a SimpleClusterResolver "
+                          "or set TF_CONFIG)",
+    "KubernetesClusterResolver": "a resolver that queries the Kubernetes API (a Kubeflow TFJob sets TF_CONFIG, "
+                                 "which ks.cluster_resolver.TFConfigClusterResolver reads)",
+}
+
 PROVIDED = (
     "OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy, MultiWorkerMirroredStrategy, "
     "ParameterServerStrategy and TPUStrategy"
 )
 
 
-def attribute_error(module: str, tf_name: str, name: str) -> AttributeError:
+def attribute_error(module: str, tf_name: str, name: str, not_provided: dict = NOT_PROVIDED) -> AttributeError:
     """The error for `module.name`: what it is in TF and what to use here, or the usual message."""
-    what = NOT_PROVIDED.get(name)
+    what = not_provided.get(name)
     if what is None:
         return AttributeError(f"module {module!r} has no attribute {name!r}")
     return AttributeError(
@@ -33,10 +41,10 @@ def attribute_error(module: str, tf_name: str, name: str) -> AttributeError:
     )
 
 
-def module_getattr(module: str, tf_module: str) -> Callable[[str], None]:
+def module_getattr(module: str, tf_module: str, not_provided: dict = NOT_PROVIDED) -> Callable[[str], None]:
     """A module's `__getattr__`: the error of `attribute_error` for `module.<name>`."""
 
     def __getattr__(name: str) -> None:
-        raise attribute_error(module, f"{tf_module}.{name}", name)
+        raise attribute_error(module, f"{tf_module}.{name}", name, not_provided)
 
     return __getattr__

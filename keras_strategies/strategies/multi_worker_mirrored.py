@@ -20,7 +20,7 @@ from keras.src import backend as keras_backend
 from keras.src import tree
 
 from keras_strategies.backend import engine
-from keras_strategies.cluster_resolver import TFConfigClusterResolver
+from keras_strategies.cluster_resolver.environment import resolver_from_environment
 from keras_strategies.distribute.devices import default_compute_devices
 from keras_strategies.input import worker_sharding
 from keras_strategies.strategies.mirrored import MirroredExtended
@@ -350,8 +350,11 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     Args:
         cluster_resolver: Where the cluster and this worker's role come from;
-            `None` reads `TF_CONFIG` (`ks.cluster_resolver.TFConfigClusterResolver`).
-            Without `TF_CONFIG` this is one local worker.
+            `None` uses the launcher's environment: `TF_CONFIG`
+            (`ks.cluster_resolver.TFConfigClusterResolver`), else torchrun's,
+            a SLURM step's or mpirun's variables (`TorchrunClusterResolver`,
+            `SlurmClusterResolver`, `MPIClusterResolver`). Without any, this is
+            one local worker.
         communication_options: A `ks.CommunicationOptions` for the cross-worker
             collectives (implementation, timeout).
 
@@ -364,7 +367,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         import keras
         import keras_strategies as ks
 
-        strategy = ks.MultiWorkerMirroredStrategy()  # reads TF_CONFIG
+        strategy = ks.MultiWorkerMirroredStrategy()  # reads TF_CONFIG (or torchrun's, srun's variables)
         with strategy.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
             model.compile(optimizer="sgd", loss="mse")
@@ -385,13 +388,13 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "CommunicationImplementation.NCCL needs GPUs, and this machine has none. "
                 "Use CommunicationImplementation.AUTO or RING."
             )
-        self._cluster_resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        self._cluster_resolver = cluster_resolver if cluster_resolver is not None else resolver_from_environment()
         cluster = resolve(self._cluster_resolver)
         super().__init__(MultiWorkerMirroredExtended(self, cluster, communication_options))
 
     @property
     def cluster_resolver(self) -> Any:
-        """The cluster resolver this strategy was created with (by default a `TFConfigClusterResolver`)."""
+        """The cluster resolver this strategy was created with (by default the launcher's, see `__init__`)."""
         return self._cluster_resolver
 
     def __repr__(self) -> str:

@@ -195,7 +195,7 @@ def test_watchdog_names_a_peer_whose_heartbeat_stops():
         monitor.stop()
 
 
-def test_a_live_peer_is_not_called_dead_while_this_worker_cannot_read_the_store():
+def test_watchdog_does_not_call_a_live_peer_dead_while_this_worker_cannot_read_the_store():
     """A stall on this side (slow store, starved process) is time without reads, not a peer's silence."""
     store = _Store()
     slow_reads = threading.Event()
