@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Iterable
 
 from keras_strategies.backend import engine
@@ -108,4 +109,14 @@ def configure_from_environment() -> None:
         count = -1
     if count < 1:
         raise ValueError(f"{ENV_VAR}={raw!r} is invalid: set it to a whole number >= 1, e.g. 4.")
-    set_virtual_cpu_devices(count)
+    try:
+        set_virtual_cpu_devices(count)
+    except RuntimeError:
+        # A backend operation ran before this import (a notebook cell, a library that imported
+        # Keras first): the devices are fixed; the import goes on with them.
+        warnings.warn(
+            f"{ENV_VAR}={count} is set, but the backend had already set up its devices when "
+            f"keras_strategies was imported; going on with those: {engine.devices.list_devices()}. "
+            f"Import keras_strategies before any backend operation runs, or unset {ENV_VAR}.",
+            stacklevel=2,
+        )

@@ -121,7 +121,14 @@ def _check_call_site(name: str, model: Any) -> None:
             f"`Model.{name}` cannot be called inside `strategy.run` (in a replica context): call it "
             "outside `strategy.run`, where it splits each batch across the replicas itself."
         )
-    if strategy_of(model) is None and name in ("fit", "train_on_batch"):
+    own, current = strategy_of(model), context.get_strategy()
+    if own is not None and own is not current:
+        raise ValueError(
+            f"This model belongs to {own!r} (it was built in its scope), but `{name}` is called inside "
+            f"the scope of another strategy, {current!r}. Call `{name}` outside that scope (the model "
+            "runs on its own strategy), or build the model in the scope of the strategy to use."
+        )
+    if own is None and name in ("fit", "train_on_batch"):
         raise ValueError(
             f"This model was built and compiled outside any strategy scope, but `{name}` is called "
             f"inside the scope of {context.get_strategy()!r}: its variables are not distributed. "

@@ -73,6 +73,19 @@ def test_environment_variable_and_function_in_a_fresh_process():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "['cpu:0', 'cpu:1']"
+    # A backend operation before the import: JAX and TensorFlow have fixed their devices (a
+    # warning says so and the import goes on); PyTorch's CPU replicas are not fixed yet.
+    result = _run_python(
+        "import keras; keras.ops.ones((1,)); import keras_strategies as ks; print(ks.list_devices())",
+        KERAS_STRATEGIES_CPU_DEVICES="3",
+    )
+    assert result.returncode == 0, result.stderr
+    devices = result.stdout.strip().splitlines()[-1]
+    if devices == "['cpu:0']":
+        assert "KERAS_STRATEGIES_CPU_DEVICES=3 is set, but the backend had already set up its devices" in result.stderr
+        assert "Import keras_strategies before any backend operation runs, or unset" in result.stderr
+    else:
+        assert devices == "['cpu:0', 'cpu:1', 'cpu:2']" and "already set up" not in result.stderr
     result = _run_python("import keras_strategies", KERAS_STRATEGIES_CPU_DEVICES="four")
     assert result.returncode != 0
     assert "KERAS_STRATEGIES_CPU_DEVICES='four' is invalid" in result.stderr

@@ -63,6 +63,19 @@ def test_training_a_model_from_outside_every_scope_inside_a_scope_is_refused_cle
     assert len(model.fit(x, y, verbose=0).history["loss"]) == 1  # outside the scope: on one device
 
 
+def test_a_models_method_inside_another_strategys_scope_names_both_strategies():
+    x = np.ones((4, 1), "float32")
+    with ks.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer="sgd")
+    with ks.OneDeviceStrategy("cpu:0").scope():
+        for call in (lambda: model.fit(x, x, verbose=0), lambda: model.predict(x, verbose=0)):
+            with pytest.raises(ValueError, match=r"belongs to MirroredStrategy.*inside the scope of another strategy, "
+                                                 r"OneDeviceStrategy.*Call `(fit|predict)` outside that scope"):
+                call()
+    assert len(model.fit(x, x, verbose=0).history["loss"]) == 1  # outside: on its own strategy
+
+
 def test_keras_methods_inside_strategy_run_are_refused_clearly():
     x = np.ones((4, 1), "float32")
     strategy = ks.MirroredStrategy(devices=["cpu:0", "cpu:1"])
