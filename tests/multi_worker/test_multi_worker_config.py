@@ -172,6 +172,21 @@ def _two_workers():
     return resolve(SimpleClusterResolver(spec, task_type="worker", task_id=0))
 
 
+def _live_peer(store):
+    """Worker 1 beating in a thread until the returned event is set."""
+    beating = threading.Event()
+
+    def peer():
+        seq = 0
+        while not beating.is_set():
+            seq += 1
+            store.set("keras_strategies/heartbeat/1", f"{seq} 0")
+            time.sleep(0.05)
+
+    threading.Thread(target=peer, daemon=True).start()
+    return beating
+
+
 def _wait_for_error(monitor, seconds):
     deadline = time.monotonic() + seconds
     while monitor.error is None and time.monotonic() < deadline:
@@ -206,17 +221,7 @@ def test_watchdog_does_not_call_a_live_peer_dead_while_this_worker_cannot_read_t
             time.sleep(1.5)  # longer than dead_after: each read sees a new value, but late
         return store.try_get(key)
 
-    beating = threading.Event()
-
-    def peer():
-        seq = 0
-        while not beating.is_set():
-            seq += 1
-            store.set("keras_strategies/heartbeat/1", f"{seq} 0")
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=peer, daemon=True)
-    thread.start()
+    beating = _live_peer(store)
     monitor = HealthMonitor(_two_workers(), store.set, try_get, timeout=60, dead_after=1.0, interval=0.1)
     try:
         monitor.begin("gradient all-reduce")
@@ -235,17 +240,7 @@ def test_watchdog_does_not_call_a_live_peer_dead_while_this_worker_cannot_read_t
 def test_watchdog_names_a_live_peer_that_never_joins_within_the_timeout():
     store = _Store()
     monitor = HealthMonitor(_two_workers(), store.set, store.try_get, timeout=1.0, dead_after=30, interval=0.1)
-    beating = threading.Event()
-
-    def peer():  # alive (heartbeats) but stuck before its first collective
-        seq = 0
-        while not beating.is_set():
-            seq += 1
-            store.set("keras_strategies/heartbeat/1", f"{seq} 0")
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=peer, daemon=True)
-    thread.start()
+    beating = _live_peer(store)  # alive (heartbeats) but stuck before its first collective
     try:
         monitor.begin("gradient all-reduce")
         error = _wait_for_error(monitor, 5)
