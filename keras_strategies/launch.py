@@ -4,6 +4,7 @@
     python -m keras_strategies.launch --workers 3 --chief --backend jax -m my.module
     keras-strategies-launch --workers 2 --devices-per-worker 2 --timeout 600 train.py
     python -m keras_strategies.launch --workers 3 --chief --ps 2 train.py
+    python -m keras_strategies.launch --nnodes 2 --node-rank 0 --master-addr host0:29500 --workers-per-node 2 train.py
 
 Every worker is `python script.py args...` with its own `TF_CONFIG` (free
 ports on 127.0.0.1), so multi-worker strategies find their peers; output lines
@@ -19,6 +20,13 @@ ps tasks, as in TensorFlow's parameter-server tutorial). The job ends when the
 chief ends; the worker and ps tasks are then stopped and the exit code is the
 chief's. A worker ending early is reported and the chief goes on with the
 others; a ps ending early, or the last worker, stops the job.
+
+On several machines, run the launcher on each with `--nnodes N --node-rank R
+--master-addr HOST:PORT --workers-per-node M` (torchrun's shape): its workers
+get torchrun's variables instead of a `TF_CONFIG`, and
+`ks.MultiWorkerMirroredStrategy()` makes one cluster of the N x M workers,
+which exchange their addresses through the master
+(`ks.cluster_resolver.TorchrunClusterResolver`).
 
 When the chief is the caller itself (a notebook, as in TensorFlow's
 parameter-server tutorial), `start_servers("serve.py", workers=2, ps=1)`
@@ -39,7 +47,7 @@ from typing import Sequence
 
 from keras_strategies.launcher.tf_config import free_ports, tf_config_for
 from keras_strategies.launcher.serving import Servers, start_servers
-from keras_strategies.launcher.supervisor import DEFAULT_GRACE, TIMEOUT_EXIT_CODE, check_roles, launch
+from keras_strategies.launcher.supervisor import DEFAULT_GRACE, TIMEOUT_EXIT_CODE, check_nodes, check_roles, launch
 
 __all__ = [
     "Servers",
@@ -56,7 +64,8 @@ __all__ = [
 BACKENDS = ("tensorflow", "jax", "torch")
 # Launcher options that take a value: the first other non-option token starts the command.
 _VALUE_OPTIONS = frozenset(
-    {"-n", "--workers", "--devices-per-worker", "--backend", "--timeout", "--grace", "--ps"}
+    {"-n", "--workers", "--workers-per-node", "--devices-per-worker", "--backend", "--timeout", "--grace", "--ps",
+     "--nnodes", "--node-rank", "--master-addr"}
 )
 
 
@@ -106,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog=prog,
         usage="%(prog)s [options] (script.py | -m module) [args ...]",
         description="Run a Python script (or module) as N local workers of one multi-worker "
-        "job, each with its own TF_CONFIG on 127.0.0.1. Everything after the script or "
-        "module name is passed to it unchanged.",
+        "job, each with its own TF_CONFIG on 127.0.0.1 (with --nnodes: this machine's workers "
+        "of a job on several machines). Everything after the script or module name is passed "
+        "to it unchanged.",
         epilog="Exit code: 0 if all workers succeed; else the first failing worker's code "
         "(128+S if killed by signal S), 130/143 on SIGINT/SIGTERM, "
         f"{TIMEOUT_EXIT_CODE} on timeout, 2 on bad arguments. With --ps: the chief's code, "
@@ -116,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "keras_strategies.launch.start_servers(script, workers=W, ps=P) instead.",
         allow_abbrev=False,
     )
-    parser.add_argument("-n", "--workers", type=_positive_int, default=2, metavar="N",
-                        help="number of worker processes (default: 2)")
+    parser.add_argument("-n", "--workers", "--workers-per-node", type=_positive_int, default=2, metavar="N",
+                        help="number of worker processes (on this node; default: 2)")
     parser.add_argument("--devices-per-worker", type=_positive_int, metavar="K",
                         help="virtual CPU devices per worker (sets KERAS_STRATEGIES_CPU_DEVICES)")
     parser.add_argument("--backend", choices=BACKENDS,
@@ -135,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="SECONDS",
                         help="time between SIGTERM and SIGKILL when stopping workers "
                         f"(default: {DEFAULT_GRACE:g})")
+    parser.add_argument("--nnodes", type=_positive_int, default=1, metavar="NODES",
+                        help="machines of a multi-node job: run the launcher on each, with the same "
+                        "--nnodes, --workers-per-node and --master-addr and its own --node-rank")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="R",
+                        help="this machine's index in a multi-node job (0 holds the chief)")
+    parser.add_argument("--master-addr", metavar="HOST:PORT",
+                        help="node 0's address in a multi-node job, reachable from every node; its "
+                        "workers use the following ports")
     return parser
 
 
@@ -188,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(options)
         try:
             check_roles(ns.workers, ns.chief, ns.ps)
+            if ns.nnodes != 1 or ns.master_addr is not None:
+                check_nodes(ns.nnodes, ns.node_rank, ns.master_addr, ns.chief, ns.ps)
         except ValueError as error:
             parser.error(str(error))
         if not command:
@@ -215,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             module=module,
             grace=ns.grace,
             ps=ns.ps,
+            nodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            master_addr=ns.master_addr,
         )
     except (OSError, ValueError) as error:
         print(f"keras_strategies.launch: error: {error}", file=sys.stderr)

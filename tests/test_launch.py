@@ -616,6 +616,28 @@ def test_launch_api_rejects_bad_ps_values(job):
     assert not job.recorded_pids()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2", "{script}"], "needs the master's address as HOST:PORT"),
+    (["--nnodes", "2", "--master-addr", "host0", "{script}"], "got 'host0'"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "host0:29500", "{script}"],
+     "`node_rank` must be an int in [0, 2), got 2"),
+    (["--nnodes", "2", "--master-addr", "host0:29500", "--chief", "{script}"],
+     "A multi-node job runs MultiWorkerMirroredStrategy workers only"),
+    (["--nnodes", "0", "{script}"], "--nnodes: must be an integer >= 1, got '0'"),
+])
+def test_bad_node_arguments_exit_2_and_say_what_to_do(job, capsys, argv, message):
+    assert main([a.format(script=job.path) for a in argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not job.recorded_pids()
+
+
+def test_split_command_knows_the_node_options_take_values():
+    assert split_command(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h:1", "--workers-per-node", "2",
+                          "train.py", "--nnodes", "3"]) == (
+        ["--nnodes", "2", "--node-rank", "1", "--master-addr", "h:1", "--workers-per-node", "2"],
+        ["train.py", "--nnodes", "3"])
+
+
 def test_split_command_knows_that_ps_takes_a_value():
     assert split_command(["--ps", "2", "--chief", "train.py", "--ps", "3"]) == (
         ["--ps", "2", "--chief"], ["train.py", "--ps", "3"])

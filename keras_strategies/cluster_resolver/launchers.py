@@ -127,16 +127,22 @@ class TorchrunClusterResolver(_RankEnvironmentResolver):
     def _exchange(self, address: str) -> list[str]:
         from datetime import timedelta
 
-        import torch.distributed as dist
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            raise RuntimeError("The workers of a job on several nodes exchange their addresses through "
+                               "torch.distributed's TCPStore, and PyTorch is not installed: install it "
+                               "(`pip install torch`), or set TF_CONFIG on each node.") from None
 
-        # torchrun's agent hosts the store; without it (TORCHELASTIC_USE_AGENT_STORE unset), rank 0 does.
+        # torchrun's agent hosts the store; without it (our launcher, TORCHELASTIC_USE_AGENT_STORE
+        # unset) rank 0 does, and keeps it while the process lives: the others may still be reading.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(self._master_addr, self._master_port, self._world_size,
-                              is_master=self._rank == 0 and not agent_store,
-                              timeout=timedelta(seconds=_EXCHANGE_TIMEOUT_S))
+        self._store = dist.TCPStore(self._master_addr, self._master_port, self._world_size,
+                                    is_master=self._rank == 0 and not agent_store,
+                                    timeout=timedelta(seconds=_EXCHANGE_TIMEOUT_S))
         prefix = f"keras_strategies/address/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        store.set(prefix + str(self._rank), address)
-        return [store.get(prefix + str(r)).decode() for r in range(self._world_size)]
+        self._store.set(prefix + str(self._rank), address)
+        return [self._store.get(prefix + str(r)).decode() for r in range(self._world_size)]
 
 
 class MPIClusterResolver(_RankEnvironmentResolver):

@@ -41,19 +41,27 @@ _STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "S
 
 
 def worker_env(
-    tf_config: Mapping[str, object],
+    tf_config: Mapping[str, object] | None,
     backend: str | None = None,
     devices_per_worker: int | None = None,
     env: Mapping[str, str | None] | None = None,
+    ranks: Mapping[str, object] | None = None,
 ) -> dict[str, str]:
-    """The environment of one worker: ours, `env` on top (None unsets), then the launcher's variables."""
+    """The environment of one worker: ours, `env` on top (None unsets), then the launcher's variables.
+
+    A worker of a multi-node job gets torchrun's variables (`ranks`) instead of a `TF_CONFIG`.
+    """
     result = dict(os.environ)
     for key, value in (env or {}).items():
         if value is None:
             result.pop(key, None)
         else:
             result[key] = str(value)
-    result["TF_CONFIG"] = json.dumps(tf_config)
+    if tf_config is not None:
+        result["TF_CONFIG"] = json.dumps(tf_config)
+    else:
+        result.pop("TF_CONFIG", None)
+        result.update({key: str(value) for key, value in (ranks or {}).items()})
     if backend is not None:
         result["KERAS_BACKEND"] = backend
     if devices_per_worker is not None:
@@ -111,6 +119,30 @@ class _SignalCatcher:
     def __exit__(self, *exc_info: object) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def check_nodes(nodes: object, node_rank: object, master_addr: object, chief: bool, ps: int) -> tuple[str, int]:
+    """`(host, port)` of a multi-node job's master, after checking the node arguments."""
+    _check_positive("nodes", nodes, integer=True)
+    if chief or ps:
+        raise ValueError("A multi-node job runs MultiWorkerMirroredStrategy workers only: --chief and --ps "
+                         "are for a job on one machine (or set TF_CONFIG on each machine).")
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nodes:
+        raise ValueError(f"`node_rank` must be an int in [0, {nodes}), got {node_rank!r}.")
+    host, _, port = str(master_addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"A multi-node job needs the master's address as HOST:PORT (the first node, reachable from "
+            f"every node; the port and the ports after it must be free), got {master_addr!r}."
+        )
+    return host, int(port)
+
+
+def node_ranks(rank: int, world_size: int, local_rank: int, workers_per_node: int, node_rank: int,
+               master: tuple[str, int]) -> dict[str, object]:
+    """The variables torchrun gives a worker, which `ks.MultiWorkerMirroredStrategy()` reads."""
+    return {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": workers_per_node,
+            "GROUP_RANK": node_rank, "MASTER_ADDR": master[0], "MASTER_PORT": master[1]}
 
 
 def check_roles(workers: int, chief: bool, ps: int) -> None:
@@ -216,6 +248,9 @@ def launch(
     module: bool = False,
     grace: float = DEFAULT_GRACE,
     ps: int = 0,
+    nodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
 ) -> int:
     """Runs `python script args...` as `workers` local processes of one multi-worker job.
 
@@ -250,6 +285,14 @@ def launch(
         ps: The number of parameter-server (`"ps"`) tasks, started after the
             chief and the workers; needs `chief=True` and `workers >= 2`
             (`workers` counts the chief).
+        nodes: The number of machines of a multi-node job; run the launcher
+            on each with the same `nodes`, `workers` (per node) and
+            `master_addr`, and its own `node_rank`. Its workers get torchrun's
+            variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...) instead of a
+            `TF_CONFIG`, and agree on the cluster through the master.
+        node_rank: This machine's index in `[0, nodes)`; node 0 holds the chief.
+        master_addr: `"HOST:PORT"` of node 0, reachable from every node; the
+            workers use the ports after it.
 
     Returns:
         0 when every worker exits 0; else the exit code of the first worker to
@@ -271,6 +314,9 @@ def launch(
     if timeout is not None:
         _check_positive("timeout", timeout, integer=False)
     check_roles(workers, chief, ps)
+    multi_node = nodes != 1 or master_addr is not None
+    if multi_node:
+        master = check_nodes(nodes, node_rank, master_addr, chief, ps)
 
     command = [sys.executable, *(["-m"] if module else []), script, *map(str, args)]
     lock = threading.Lock()
@@ -281,17 +327,23 @@ def launch(
         err.write_line(MESSAGE_PREFIX + text)
 
     events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-    ports = free_ports(workers + ps)
+    ports = [] if multi_node else free_ports(workers + ps)
     started: list[WorkerProcess] = []
     with _SignalCatcher(events) as catcher:
         try:
             for index in range(workers + ps):
-                config = tf_config_for(index, ports, chief=chief, ps=ps)
+                if multi_node:
+                    rank = node_rank * workers + index
+                    name, config = f"worker {rank}", None
+                    ranks = node_ranks(rank, nodes * workers, index, workers, node_rank, master)
+                else:
+                    config, ranks = tf_config_for(index, ports, chief=chief, ps=ps), None
+                    name = task_name(config["task"])
                 started.append(
                     WorkerProcess(
-                        task_name(config["task"]),
+                        name,
                         command,
-                        worker_env(config, backend, devices_per_worker, env),
+                        worker_env(config, backend, devices_per_worker, env, ranks),
                         out,
                         err,
                         on_exit=lambda worker, rc: events.put(("exit", worker, rc)),

@@ -1,5 +1,5 @@
 """One script, `ks.MultiWorkerMirroredStrategy()` and nothing else, trains as one cluster when
-torchrun or a SLURM step starts it, equal to one process."""
+torchrun, a SLURM step or our launcher on two "nodes" starts it, equal to one process."""
 
 import json
 import os
@@ -89,3 +89,14 @@ def test_a_slurm_step_of_two_tasks_is_one_cluster_of_two_workers(tmp_path):
             for rank in (0, 1)]
     _check(runs, tmp_path)
     _results(tmp_path, "SlurmClusterResolver")
+
+
+def test_two_launchers_as_two_nodes_make_one_cluster_through_the_master(tmp_path):
+    port = _port_base()
+    runs = [subprocess.Popen(
+        [sys.executable, "-m", "keras_strategies.launch", "--nnodes", "2", "--node-rank", str(node),
+         "--master-addr", f"127.0.0.1:{port}", "--workers-per-node", "1", "--timeout", "280",
+         PROGRAM, str(tmp_path)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for node in (0, 1)]
+    _check(runs, tmp_path)
+    _results(tmp_path, "TorchrunClusterResolver")
