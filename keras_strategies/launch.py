@@ -65,7 +65,7 @@ BACKENDS = ("tensorflow", "jax", "torch")
 # Launcher options that take a value: the first other non-option token starts the command.
 _VALUE_OPTIONS = frozenset(
     {"-n", "--workers", "--workers-per-node", "--devices-per-worker", "--backend", "--timeout", "--grace", "--ps",
-     "--nnodes", "--node-rank", "--master-addr"}
+     "--nnodes", "--node-rank", "--master-addr", "--max-restarts"}
 )
 
 
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="SECONDS",
                         help="time between SIGTERM and SIGKILL when stopping workers "
                         f"(default: {DEFAULT_GRACE:g})")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="when the job fails, stop every process and start them all again, up to K "
+                        "times; the script resumes with keras.callbacks.BackupAndRestore (default: 0)")
     parser.add_argument("--nnodes", type=_positive_int, default=1, metavar="NODES",
                         help="machines of a multi-node job: run the launcher on each, with the same "
                         "--nnodes, --workers-per-node and --master-addr and its own --node-rank")
@@ -205,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ns = parser.parse_args(options)
         try:
+            if ns.max_restarts < 0:
+                raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
             check_roles(ns.workers, ns.chief, ns.ps)
             if ns.nnodes != 1 or ns.master_addr is not None:
                 check_nodes(ns.nnodes, ns.node_rank, ns.master_addr, ns.chief, ns.ps)
@@ -238,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nodes=ns.nnodes,
             node_rank=ns.node_rank,
             master_addr=ns.master_addr,
+            max_restarts=ns.max_restarts,
         )
     except (OSError, ValueError) as error:
         print(f"keras_strategies.launch: error: {error}", file=sys.stderr)

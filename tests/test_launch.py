@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from keras_strategies import launch as launch_module
-from keras_strategies.launch import free_ports, launch, main, split_command, start_servers, tf_config_for
+from keras_strategies.launch import (
+    TIMEOUT_EXIT_CODE, free_ports, launch, main, split_command, start_servers, tf_config_for,
+)
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the launcher tests use POSIX signals")
 
@@ -67,6 +69,9 @@ WORKER = textwrap.dedent(
                 time.sleep(0.02)
 
     note_pid("pid", os.getpid())
+    if int(os.environ.get("KERAS_STRATEGIES_RESTART_COUNT", "0")) < step.get("fail_attempts", 0):
+        print("failing this attempt", file=sys.stderr, flush=True)
+        sys.exit(3)
     do = step["do"]
     wait_for(step.get("wait_for", []))
     wait_gone(step.get("wait_gone", []))
@@ -636,6 +641,29 @@ def test_split_command_knows_the_node_options_take_values():
                           "train.py", "--nnodes", "3"]) == (
         ["--nnodes", "2", "--node-rank", "1", "--master-addr", "h:1", "--workers-per-node", "2"],
         ["train.py", "--nnodes", "3"])
+
+
+# --- restarts -----------------------------------------------------------------------------------
+
+
+def test_a_job_that_fails_is_restarted_whole_until_it_succeeds(job):
+    code, out, err, _ = _run(job, {"worker 1": {"do": "report", "fail_attempts": 2}, "*": {"do": "report"}},
+                             workers=2, max_restarts=3)
+    assert code == 0, err
+    assert "worker 1 exited with code 3" in err
+    assert "restarting all 2 processes (restart 1 of 3)" in err and "(restart 2 of 3)" in err
+    assert "(restart 3 of 3)" not in err
+    assert len(_by_task(out)["worker 0"]) == 3  # worker 0 reported in every attempt
+
+
+def test_restarts_end_with_the_last_failure_and_never_follow_a_timeout(job):
+    code, _, err, _ = _run(job, {"*": {"do": "exit", "code": 5}}, workers=2, max_restarts=1)
+    assert code == 5 and err.count("restarting all 2 processes") == 1, err
+    code, _, err, _ = _run(job, {"*": {"do": "sleep"}}, workers=2, max_restarts=2, timeout=3)
+    assert code == TIMEOUT_EXIT_CODE and "restarting" not in err, err
+    with pytest.raises(ValueError, match="`max_restarts` must be an int >= 0, got -1"):
+        launch(job.path, max_restarts=-1)
+    _assert_all_gone(job)
 
 
 def test_split_command_knows_that_ps_takes_a_value():

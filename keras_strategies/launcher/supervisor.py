@@ -36,6 +36,7 @@ from keras_strategies.launcher.processes import (
 TIMEOUT_EXIT_CODE = 124
 """The launcher's exit code when the job times out (as coreutils' `timeout`)."""
 DEFAULT_GRACE = 5.0
+RESTART_COUNT_VAR = "KERAS_STRATEGIES_RESTART_COUNT"
 MESSAGE_PREFIX = "keras_strategies.launch: "
 _STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
@@ -101,13 +102,13 @@ class _SignalCatcher:
     """
 
     def __init__(self, events: "queue.SimpleQueue[tuple]") -> None:
-        self._events = events
+        self.events = events  # replaced between attempts of a restarted job
         self.received: list[int] = []
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)  # list.append and SimpleQueue.put are reentrant-safe
-        self._events.put(("signal", None, signum))
+        self.events.put(("signal", None, signum))
 
     def __enter__(self) -> "_SignalCatcher":
         if threading.current_thread() is threading.main_thread():
@@ -251,6 +252,7 @@ def launch(
     nodes: int = 1,
     node_rank: int = 0,
     master_addr: str | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Runs `python script args...` as `workers` local processes of one multi-worker job.
 
@@ -293,6 +295,13 @@ def launch(
         node_rank: This machine's index in `[0, nodes)`; node 0 holds the chief.
         master_addr: `"HOST:PORT"` of node 0, reachable from every node; the
             workers use the ports after it.
+        max_restarts: When the job fails (not on timeout or a signal to the
+            launcher), stop every process and start them all again, up to this
+            many times; the workers see the attempt in
+            `KERAS_STRATEGIES_RESTART_COUNT` and resume from
+            `keras.callbacks.BackupAndRestore`. On several nodes each
+            launcher restarts its own workers (the others' fail within the
+            lost-worker bound and restart too).
 
     Returns:
         0 when every worker exits 0; else the exit code of the first worker to
@@ -314,6 +323,8 @@ def launch(
     if timeout is not None:
         _check_positive("timeout", timeout, integer=False)
     check_roles(workers, chief, ps)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"`max_restarts` must be an int >= 0, got {max_restarts!r}.")
     multi_node = nodes != 1 or master_addr is not None
     if multi_node:
         master = check_nodes(nodes, node_rank, master_addr, chief, ps)
@@ -327,31 +338,42 @@ def launch(
         err.write_line(MESSAGE_PREFIX + text)
 
     events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-    ports = [] if multi_node else free_ports(workers + ps)
-    started: list[WorkerProcess] = []
+    deadline = None if timeout is None else time.monotonic() + timeout
     with _SignalCatcher(events) as catcher:
-        try:
-            for index in range(workers + ps):
-                if multi_node:
-                    rank = node_rank * workers + index
-                    name, config = f"worker {rank}", None
-                    ranks = node_ranks(rank, nodes * workers, index, workers, node_rank, master)
-                else:
-                    config, ranks = tf_config_for(index, ports, chief=chief, ps=ps), None
-                    name = task_name(config["task"])
-                started.append(
-                    WorkerProcess(
-                        name,
-                        command,
-                        worker_env(config, backend, devices_per_worker, env, ranks),
-                        out,
-                        err,
-                        on_exit=lambda worker, rc: events.put(("exit", worker, rc)),
+        for restart in range(max_restarts + 1):
+            ports = [] if multi_node else free_ports(workers + ps)
+            started: list[WorkerProcess] = []
+            restart_env = {**(env or {}), RESTART_COUNT_VAR: str(restart)}
+            try:
+                for index in range(workers + ps):
+                    if multi_node:
+                        rank = node_rank * workers + index
+                        name, config = f"worker {rank}", None
+                        ranks = node_ranks(rank, nodes * workers, index, workers, node_rank, master)
+                    else:
+                        config, ranks = tf_config_for(index, ports, chief=chief, ps=ps), None
+                        name = task_name(config["task"])
+                    started.append(
+                        WorkerProcess(
+                            name,
+                            command,
+                            worker_env(config, backend, devices_per_worker, restart_env, ranks),
+                            out,
+                            err,
+                            on_exit=lambda worker, rc, events=events: events.put(("exit", worker, rc)),
+                        )
                     )
-                )
-            return _supervise(started, events, timeout, message, chief_ends_job=ps > 0)
-        finally:
-            signals_before = len(catcher.received)
-            stop_all(started, grace, hurry=lambda: len(catcher.received) > signals_before)
-            for worker in started:
-                worker.join(timeout=2.0)
+                left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+                code = _supervise(started, events, left, message, chief_ends_job=ps > 0)
+            finally:
+                signals_before = len(catcher.received)
+                stop_all(started, grace, hurry=lambda: len(catcher.received) > signals_before)
+                for worker in started:
+                    worker.join(timeout=2.0)
+            if code == 0 or code == TIMEOUT_EXIT_CODE or catcher.received or restart == max_restarts:
+                return code
+            events = queue.SimpleQueue()  # nothing of the stopped workers reaches the next attempt
+            catcher.events = events
+            message(f"restarting all {workers + ps} processes (restart {restart + 1} of {max_restarts}); "
+                    "they resume from their last backup (keras.callbacks.BackupAndRestore).")
+    return code

@@ -19,13 +19,13 @@ class Run:
         return f"exit code {self.code} after {self.seconds:.0f} s\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-6000:]}"
 
 
-def run_program(name, args=(), workers=2, devices_per_worker=1, timeout=240, env=None):
+def run_program(name, args=(), workers=2, devices_per_worker=1, timeout=240, env=None, max_restarts=0):
     out, err = io.StringIO(), io.StringIO()
     started = time.monotonic()
     code = launch(
         os.path.join(PROGRAMS, name), [str(a) for a in args], workers=workers,
         devices_per_worker=devices_per_worker, backend=keras.backend.backend(), timeout=timeout,
-        env={"TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}, stdout=out, stderr=err,
+        env={"TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}, stdout=out, stderr=err, max_restarts=max_restarts,
     )
     return Run(code, out.getvalue(), err.getvalue(), time.monotonic() - started)
 

@@ -1,8 +1,8 @@
 """A killed worker fails the others within 20 s; restarting resumes from the chief's backup.
 
 Real processes on 127.0.0.1. The crash run starts the workers directly (as on
-separate machines, with no launcher to stop the survivors), the resume run
-uses the launcher. Also checks that only the chief writes checkpoints,
+separate machines, with no launcher to stop the survivors); the restart run
+uses the launcher's `max_restarts`, which restarts every worker after the crash. Also checks that only the chief writes checkpoints,
 TensorBoard logs, the saved model and the progress bar.
 """
 
@@ -92,10 +92,19 @@ def test_a_hung_worker_fails_the_chief_after_timeout_seconds_naming_it(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def resumed(crash):
-    out = crash["out"]
-    assert os.path.exists(out / "backup"), "the chief made no backup before the crash"
-    return out, check(run_program("recover.py", [out, "resume"], workers=2, devices_per_worker=1))
+def resumed(tmp_path_factory):
+    """A launch with `max_restarts=1` whose first attempt loses worker 1 in epoch 2."""
+    out = tmp_path_factory.mktemp("restart")
+    run = run_program("recover.py", [out, "restart"], workers=2, devices_per_worker=1, timeout=480, max_restarts=1)
+    return out, check(run)
+
+
+def test_the_launcher_restarts_every_worker_once_a_worker_dies(resumed):
+    _, run = resumed
+    assert "[worker 1] KILLING worker 1" in run.stdout, run.stdout
+    assert "worker 1 was killed by SIGKILL" in run.stderr, run.stderr[-3000:]
+    assert "restarting all 2 processes (restart 1 of 1)" in run.stderr, run.stderr[-3000:]
+    assert run.stdout.count("KILLING") == 1 and run.stdout.count("[worker 0] DONE") == 1, run.stdout
 
 
 def test_restart_resumes_from_the_chiefs_backup_and_equals_an_uninterrupted_run(resumed):

@@ -1,7 +1,9 @@
 """A worker of a run with BackupAndRestore, ModelCheckpoint, TensorBoard and `model.save`.
 
 `crash` phase: worker 1 kills itself (SIGKILL) in the middle of epoch 2; the
-chief must fail with `ks.LostWorkerError`. `hang` phase: worker 1 hangs
+chief must fail with `ks.LostWorkerError`. `restart` phase (under the launcher's
+`--max-restarts`): the same crash in the first attempt only; the launcher
+restarts every worker, which resume from the chief's backup and finish. `hang` phase: worker 1 hangs
 instead (its heartbeats go on); the chief must fail after `timeout_seconds`. `resume` phase: all workers start
 again, resume from the chief's backup and finish; the chief alone writes.
 """
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import GLOBAL_BATCH, build_model, data  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
+first_attempt = os.environ.get("KERAS_STRATEGIES_RESTART_COUNT", "0") == "0"
 if phase == "hang":
     out = os.path.join(out, "hang")
     os.makedirs(out, exist_ok=True)
@@ -32,7 +35,7 @@ x, y = data()
 
 with strategy.scope():
     model = build_model()
-if phase == "crash" and strategy.extended.should_checkpoint:
+if phase in ("crash", "restart") and first_attempt and strategy.extended.should_checkpoint:
     np.savez(os.path.join(out, "initial.npz"), *model.get_weights())
 
 
@@ -56,7 +59,7 @@ callbacks = [
     keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt", "model_{epoch}.keras"), verbose=1),  # prints on the chief only
     keras.callbacks.TensorBoard(os.path.join(out, "tb")),
 ]
-if phase in ("crash", "hang") and task_id == 1:
+if (phase in ("crash", "hang") or (phase == "restart" and first_attempt)) and task_id == 1:
     callbacks.append(KillMe())
 model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=2, callbacks=callbacks)
 model.save(os.path.join(out, "final.keras"))
