@@ -9,7 +9,7 @@ KERAS_MIN_VENV := .venv-keras-min
 KERAS_MIN_PY := $(KERAS_MIN_VENV)/bin/python
 KERAS_MIN_STAMP := $(KERAS_MIN_VENV)/.installed
 
-.PHONY: demo test test-gpu test-keras-min docs install clean
+.PHONY: demo test test-gpu test-keras-min soak docs install clean
 
 install: $(STAMP)
 
@@ -43,6 +43,13 @@ test: docs $(KERAS_MIN_STAMP)
 # The JAX suite on the lowest supported Keras alone.
 test-keras-min: $(KERAS_MIN_STAMP)
 	KS_TEST_BACKENDS=jax-keras-min KS_TEST_KERAS_MIN_PYTHON=$(CURDIR)/$(KERAS_MIN_PY) $(KERAS_MIN_PY) scripts/test_all_backends.py
+
+# The soak test (random workers killed under the launcher's --max-restarts), five new kill
+# plans on every backend; `make test` runs one per backend.
+soak: $(STAMP)
+	for backend in tensorflow jax torch; do for run in 1 2 3 4 5; do \
+		KERAS_BACKEND=$$backend $(PY) -m pytest -q -k random_kills tests/multi_worker/test_multi_worker_soak.py || exit 1; \
+	done; done
 
 # Only the tests marked `gpu` (they skip with fewer than 2 GPUs; `make test` runs them too). One
 # backend at a time, each taking GPU memory only as it needs it: side by side they would compete for it.

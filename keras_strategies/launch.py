@@ -126,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         "keras_strategies.launch.start_servers(script, workers=W, ps=P) instead.",
         allow_abbrev=False,
     )
-    parser.add_argument("-n", "--workers", "--workers-per-node", type=_positive_int, default=2, metavar="N",
-                        help="number of worker processes (on this node; default: 2)")
+    parser.add_argument("-n", "--workers", type=_positive_int, default=2, metavar="N",
+                        help="number of worker processes (default: 2)")
+    parser.add_argument("--workers-per-node", type=_positive_int, metavar="M",
+                        help="with --nnodes: the worker processes of each node (the same as --workers)")
     parser.add_argument("--devices-per-worker", type=_positive_int, metavar="K",
                         help="virtual CPU devices per worker (sets KERAS_STRATEGIES_CPU_DEVICES)")
     parser.add_argument("--backend", choices=BACKENDS,
@@ -207,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options, command = split_command(sys.argv[1:] if argv is None else argv)
     try:
         ns = parser.parse_args(options)
+        if ns.workers_per_node is not None:
+            ns.workers = ns.workers_per_node
         try:
             if ns.max_restarts < 0:
                 raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")

@@ -22,6 +22,7 @@ original as `_ks_original`.
 | `losses.loss.reduce_values`, `reduce_weighted_values` | `loss_reduction` | every loss reduction sums over replicas to the global batch's loss, padding rows excluded |
 | `metrics.reduction_metrics.Mean.update_state` | `metric_weighting` | a scalar update in a model's own step counts with the replica's share of the batch |
 | `saving.saving_api.save_model`, `save_weights` (and the public names bound to them) | `chief_only` | only the chief's file is kept under `MultiWorkerMirroredStrategy` |
+| `callbacks.backup_and_restore.BackupAndRestore._save_model` | `backup_and_restore` | a backup is whole or absent: a worker stopped while saving never leaves weights beside the previous epoch's number |
 | `random.seed_generator.SeedGenerator.next` | `replica_seeds` | replicas draw different random numbers, as rows do on one device |
 | `backend.tensorflow.optimizer.TFOptimizer` update methods, `LossScaleOptimizer._tf_apply` | TensorFlow engine (`backend/tensorflow/keras_hooks.py`) | the summed update is applied in TF's cross-replica context |
 | `backend.tensorflow.core.Variable.assign_add`, `assign_sub`, `__array__`, `TFOptimizer._distributed_tf_update_step` (and its `add_variable_from_reference` again) | TensorFlow engine (`backend/tensorflow/parameter_server.py`) | `ParameterServerStrategy`: increments are atomic on the parameter server; a variable split by a partitioner reads, updates and gets slots as one |
@@ -38,6 +39,7 @@ from __future__ import annotations
 from keras_strategies.backend import engine
 from keras_strategies.distribute import context
 from keras_strategies.keras_integration import (
+    backup_and_restore,
     batch_norm,
     chief_only,
     loss_reduction,
@@ -70,6 +72,7 @@ REPLACED = (
     ("keras.src.metrics.reduction_metrics.Mean.update_state", "metric_weighting"),
     ("keras.src.saving.saving_api.save_model", "chief_only"),
     ("keras.src.saving.saving_api.save_weights", "chief_only"),
+    ("keras.src.callbacks.backup_and_restore.BackupAndRestore._save_model", "backup_and_restore"),
     ("keras.src.random.seed_generator.SeedGenerator.next", "replica_seeds"),
 )
 
@@ -88,5 +91,6 @@ def install() -> None:
     loss_reduction.install()
     metric_weighting.install()
     chief_only.install()
+    backup_and_restore.install()
     replica_seeds.install()
     engine.keras_hooks.install(context)

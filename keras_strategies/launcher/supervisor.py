@@ -197,13 +197,17 @@ def _supervise(
     timeout: float | None,
     message: Callable[[str], None],
     chief_ends_job: bool = False,
+    deadline: float | None = None,
 ) -> int:
     """Waits for the job's outcome and returns its exit code; leaves stopping to the caller.
 
     With `chief_ends_job` (a parameter-server job) the outcome is the chief's
-    exit, or the loss of a task the chief cannot do without.
+    exit, or the loss of a task the chief cannot do without. `deadline` (of
+    `time.monotonic()`) ends a job that `timeout` seconds allowed, restarts
+    included; by default `timeout` seconds from now.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
+    if deadline is None and timeout is not None:
+        deadline = time.monotonic() + timeout
     running = list(workers)
     noun = "task(s)" if chief_ends_job else "worker(s)"
     while running:
@@ -363,8 +367,7 @@ def launch(
                             on_exit=lambda worker, rc, events=events: events.put(("exit", worker, rc)),
                         )
                     )
-                left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-                code = _supervise(started, events, left, message, chief_ends_job=ps > 0)
+                code = _supervise(started, events, timeout, message, chief_ends_job=ps > 0, deadline=deadline)
             finally:
                 signals_before = len(catcher.received)
                 stop_all(started, grace, hurry=lambda: len(catcher.received) > signals_before)
