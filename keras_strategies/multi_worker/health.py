@@ -5,8 +5,9 @@ completed) once a second in the backend's own key-value store (the torch
 `TCPStore`, the `jax.distributed` coordination service, TensorFlow's
 coordination service), all hosted by the chief. While a collective is in
 flight, the watchdog fails this worker, naming the culprit, when a peer's
-heartbeat has stopped for `dead_after` seconds (it died), a peer has left,
-the chief's store stopped answering, or the collective has waited
+heartbeat stayed unchanged for `dead_after` seconds of reads of the store (it
+died), a peer has left, calls to the chief's store failed for `dead_after`
+seconds (slow calls do not count), or the collective has waited
 `timeout_seconds` for peers that never joined it (they hang). Collectives
 blocked inside a backend cannot be interrupted, so after reporting the error
 the watchdog ends the process if the collective has not failed by itself.
@@ -66,6 +67,7 @@ class HealthMonitor:
         # store since then found it unchanged.
         self._seen = {i: (None, now, 0) for i in self._peers}
         self._store_ok_at = now
+        self._store_failing_since: Optional[float] = None  # calls to the store raise since then
         self._completed = 0
         self._in_flight_since: Optional[float] = None
         self._what = ""
@@ -121,8 +123,11 @@ class HealthMonitor:
             except Exception:  # noqa: BLE001 - the store is gone: the watchdog reports the chief
                 values = None
             now = time.monotonic()
+            if values is None and self._store_failing_since is None:
+                self._store_failing_since = now
             if values is not None:
                 self._store_ok_at = now
+                self._store_failing_since = None
                 for peer, value in values.items():
                     last, changed_at, unchanged = self._seen[peer]
                     if value is not None and value != last:
@@ -132,7 +137,9 @@ class HealthMonitor:
             self._stop.wait(self._interval)
 
     def _diagnose(self, now: float, waited: float) -> Optional[str]:
-        if self._me != 0 and now - self._store_ok_at > self._dead_after:
+        # Calls to the store that fail, not calls that are slow (a busy chief answers late).
+        failing = self._store_failing_since
+        if self._me != 0 and failing is not None and now - failing > self._dead_after:
             return (f"lost contact with {self._cluster.describe(0)}, which hosts the cluster's "
                     f"store, for {now - self._store_ok_at:.0f} s: it died or the network failed")
         # A peer that left after completing this collective is not missed by it.

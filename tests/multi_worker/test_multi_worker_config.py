@@ -237,6 +237,37 @@ def test_watchdog_does_not_call_a_live_peer_dead_while_this_worker_cannot_read_t
         monitor.stop()
 
 
+def test_watchdog_counts_failing_store_calls_as_lost_contact_but_not_slow_ones():
+    spec = ks.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+    second = resolve(SimpleClusterResolver(spec, task_type="worker", task_id=1))
+    store, mode = _Store(), {"now": "slow"}
+
+    def try_get(key):
+        if mode["now"] == "slow":
+            time.sleep(1.5)  # a busy chief: answers, late
+            return store.try_get(key)
+        raise ConnectionError("connection refused")  # the chief is gone
+
+    store.set("keras_strategies/heartbeat/0", "1 0")
+    monitor = HealthMonitor(second, store.set, try_get, timeout=60, dead_after=1.0, interval=0.1)
+    try:
+        monitor.begin("gradient all-reduce")
+        time.sleep(3.5)  # two slow reads: too few to call the chief silent, and none failed
+        assert monitor.error is None, monitor.error
+        monitor.end()
+    finally:
+        monitor.stop()
+    monitor = HealthMonitor(second, store.set, try_get, timeout=60, dead_after=1.0, interval=0.1)
+    try:
+        mode["now"] = "failing"
+        monitor.begin("gradient all-reduce")
+        error = _wait_for_error(monitor, 5)
+        assert error is not None and "lost contact with worker 0 (127.0.0.1:1)" in str(error), error
+        monitor.end()
+    finally:
+        monitor.stop()
+
+
 def test_watchdog_names_a_live_peer_that_never_joins_within_the_timeout():
     store = _Store()
     monitor = HealthMonitor(_two_workers(), store.set, store.try_get, timeout=1.0, dead_after=30, interval=0.1)

@@ -206,7 +206,10 @@ def kv_set(key: str, value: str) -> None:
         tf_context.context().delete_config_key_value(key)
     except tf.errors.OpError:
         pass
-    tf_context.context().set_config_key_value(key, value)
+    try:
+        tf_context.context().set_config_key_value(key, value)
+    except tf.errors.DeadlineExceededError:
+        pass  # a busy chief answered late: no sign that it is gone (the next beat tries again)
 
 
 def kv_try_get(key: str) -> Optional[str]:
