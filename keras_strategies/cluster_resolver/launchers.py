@@ -16,7 +16,7 @@ import socket
 from typing import Any, Optional
 
 from keras_strategies.cluster_resolver.cluster_spec import ClusterSpec
-from keras_strategies.cluster_resolver.resolvers import ClusterResolver, format_master_url
+from keras_strategies.cluster_resolver.resolvers import ClusterResolver, task_master
 
 _EXCHANGE_TIMEOUT_S = 300
 
@@ -83,9 +83,7 @@ class _RankEnvironmentResolver(ClusterResolver):
     def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
                rpc_layer: Optional[str] = None) -> str:
         """`grpc://host:port` of a task (this one by default)."""
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        return format_master_url(self.cluster_spec().task_address(task_type, task_id), rpc_layer or self.rpc_layer)
+        return task_master(self, task_type, task_id, rpc_layer)
 
     def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
                          config_proto: Any = None) -> dict[str, int]:

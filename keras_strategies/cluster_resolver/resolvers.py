@@ -26,6 +26,16 @@ def format_master_url(master: str, rpc_layer: str | None = None) -> str:
     return f"{rpc_layer}://{master}" if rpc_layer else master
 
 
+def task_master(resolver: "ClusterResolver", task_type: str | None, task_id: int | None,
+                rpc_layer: str | None) -> str:
+    """`rpc_layer://address` of a task (the resolver's own by default), or `""` while it is unknown."""
+    task_type = task_type if task_type is not None else resolver.task_type
+    task_id = task_id if task_id is not None else resolver.task_id
+    if task_type is None or task_id is None:
+        return ""
+    return format_master_url(resolver.cluster_spec().task_address(task_type, task_id), rpc_layer or resolver.rpc_layer)
+
+
 def load_tf_config() -> dict[str, Any]:
     """Parses `TF_CONFIG` now (unset means `{}`), so later changes are seen."""
     raw = os.environ.get(_TF_CONFIG_ENV, "{}")

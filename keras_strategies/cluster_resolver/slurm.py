@@ -17,7 +17,7 @@ import subprocess
 from typing import Any
 
 from keras_strategies.cluster_resolver.cluster_spec import ClusterSpec
-from keras_strategies.cluster_resolver.resolvers import ClusterResolver, format_master_url
+from keras_strategies.cluster_resolver.resolvers import ClusterResolver, task_master
 
 DEFAULT_PORT_BASE = 8888  # TensorFlow's
 
@@ -182,11 +182,7 @@ class SlurmClusterResolver(ClusterResolver):
 
     def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """`grpc://host:port` of a task (this one by default), or `""` before the task is known."""
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is None or task_id is None:
-            return ""
-        return format_master_url(self.cluster_spec().task_address(task_type, task_id), rpc_layer or self.rpc_layer)
+        return task_master(self, task_type, task_id, rpc_layer)
 
     def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
                          config_proto: Any = None) -> dict[str, int]:

@@ -379,4 +379,4 @@ def launch(
             catcher.events = events
             message(f"restarting all {workers + ps} processes (restart {restart + 1} of {max_restarts}); "
                     "they resume from their last backup (keras.callbacks.BackupAndRestore).")
-    return code
+    raise AssertionError("unreachable: the last attempt returns")  # pragma: no cover

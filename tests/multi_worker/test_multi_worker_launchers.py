@@ -56,7 +56,7 @@ def _results(out, resolver):
     return results
 
 
-def _check(runs, out):
+def _check(runs):
     outputs = []
     for run in runs:
         try:
@@ -76,7 +76,7 @@ def test_torchrun_starts_one_cluster_of_two_workers(tmp_path):
          "--master-port", str(port), PROGRAM, str(tmp_path)],
         env=_env(OMP_NUM_THREADS=1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
-    _check([run], tmp_path)
+    _check([run])
     _results(tmp_path, "TorchrunClusterResolver")
 
 
@@ -87,7 +87,7 @@ def test_a_slurm_step_of_two_tasks_is_one_cluster_of_two_workers(tmp_path):
     runs = [subprocess.Popen([sys.executable, PROGRAM, str(tmp_path)], env=_env(SLURM_PROCID=rank, **slurm),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
             for rank in (0, 1)]
-    _check(runs, tmp_path)
+    _check(runs)
     _results(tmp_path, "SlurmClusterResolver")
 
 
@@ -98,5 +98,5 @@ def test_two_launchers_as_two_nodes_make_one_cluster_through_the_master(tmp_path
          "--master-addr", f"127.0.0.1:{port}", "--workers-per-node", "1", "--timeout", "280",
          PROGRAM, str(tmp_path)],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for node in (0, 1)]
-    _check(runs, tmp_path)
+    _check(runs)
     _results(tmp_path, "TorchrunClusterResolver")
