@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mw_launch import PROGRAMS, check, run_program
+from test_launch import _running  # noqa: E402  (tests/ is on the path: its conftest)
 
 sys.path.insert(0, PROGRAMS)
 from common import GLOBAL_BATCH, N, build_model, data  # noqa: E402
@@ -31,14 +32,6 @@ def _kill_plan(seed):
     rng = random.Random(seed)
     epochs = sorted(rng.sample(range(EPOCHS), KILLS))
     return {str(a): [rng.randrange(2), epoch, rng.randrange(STEPS)] for a, epoch in enumerate(epochs)}
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_random_kills_under_max_restarts_lose_nothing_and_leave_no_process(tmp_path):
@@ -76,4 +69,4 @@ def _soak(tmp_path, plan, what):
 
     pids = [int(path.read_text()) for path in tmp_path.glob("pid_*")]
     assert len(pids) == 2 * (kills + 1), context
-    assert not [pid for pid in pids if _alive(pid)], f"processes left running ({context})"
+    assert not [pid for pid in pids if _running(pid)], f"processes left running ({context})"
