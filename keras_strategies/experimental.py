@@ -6,7 +6,9 @@ tf.distribute.experimental.CommunicationImplementation.RING)`; with
 `s/tf.distribute/ks/` that must keep working. The names TensorFlow keeps here
 for compatibility (`CollectiveCommunication`, the experimental
 `MultiWorkerMirroredStrategy`, `TPUStrategy`) are the same objects as the stable ones, as in
-TensorFlow. `ks.experimental.partitioners` holds the variable partitioners of
+TensorFlow. Preemption handling for custom loops (`PreemptionCheckpointHandler`,
+`TerminationConfig`) saves a `Checkpoint` / `CheckpointManager`, the portable
+counterparts of `tf.train`'s. `ks.experimental.partitioners` holds the variable partitioners of
 ParameterServerStrategy (`import keras_strategies.experimental.partitioners`
 works too). Strategies and tools this package does not provide raise an
 `AttributeError` that says so.
@@ -27,6 +29,9 @@ import sys as _sys
 from keras_strategies import coordinator
 from keras_strategies.distribute import missing_names as _missing
 from keras_strategies.distribute import partitioners
+from keras_strategies.failure_handling.checkpoint import Checkpoint, CheckpointManager
+from keras_strategies.failure_handling.preemption_handler import PreemptionCheckpointHandler
+from keras_strategies.failure_handling.termination import TerminationConfig
 from keras_strategies.input.dataset_creator import DatasetCreator
 from keras_strategies.input.options import ValueContext
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
@@ -40,13 +45,17 @@ CollectiveCommunication = CommunicationImplementation
 
 __all__ = [
     "CentralStorageStrategy",
+    "Checkpoint",
+    "CheckpointManager",
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
     "DatasetCreator",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "PreemptionCheckpointHandler",
     "TPUStrategy",
+    "TerminationConfig",
     "ValueContext",
     "coordinator",
     "partitioners",

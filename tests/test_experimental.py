@@ -20,7 +20,7 @@ TF_EXPERIMENTAL = [
     "CommunicationOptions", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PreemptionCheckpointHandler",
     "PreemptionWatcher", "TPUStrategy", "TerminationConfig", "ValueContext", "coordinator", "partitioners", "rpc",
 ]
-NOT_PROVIDED = {"CollectiveHints", "PreemptionCheckpointHandler", "PreemptionWatcher", "TerminationConfig", "rpc"}
+NOT_PROVIDED = {"CollectiveHints", "PreemptionWatcher", "rpc"}
 
 
 @pytest.mark.parametrize("module, names", [(ks, TF_DISTRIBUTE), (experimental, TF_EXPERIMENTAL)],

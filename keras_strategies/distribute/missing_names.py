@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 NOT_PROVIDED = {
-    "PreemptionCheckpointHandler": "preemption handling (use keras.callbacks.BackupAndRestore)",
-    "PreemptionWatcher": "preemption handling (use keras.callbacks.BackupAndRestore)",
-    "TerminationConfig": "preemption handling (use keras.callbacks.BackupAndRestore)",
+    "PreemptionWatcher": "a watcher of preemption notices from TensorFlow's coordination service (use "
+                         "ks.experimental.PreemptionCheckpointHandler, or BackupAndRestore(save_before_preemption=True))",
     "CollectiveHints": "TF's deprecated collective hints (use ks.CommunicationOptions)",
     "rpc": "TF's experimental RPC",
 }

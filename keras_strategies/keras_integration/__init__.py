@@ -23,6 +23,7 @@ original as `_ks_original`.
 | `metrics.reduction_metrics.Mean.update_state` | `metric_weighting` | a scalar update in a model's own step counts with the replica's share of the batch |
 | `saving.saving_api.save_model`, `save_weights` (and the public names bound to them) | `chief_only` | only the chief's file is kept under `MultiWorkerMirroredStrategy` |
 | `callbacks.backup_and_restore.BackupAndRestore._save_model` | `backup_and_restore` | a backup is whole or absent: a worker stopped while saving never leaves weights beside the previous epoch's number |
+| `callbacks.backup_and_restore.BackupAndRestore.__init__`, `_load_model`, `on_train_begin`, `on_epoch_begin`, `on_train_batch_end`, `on_train_end` | `backup_and_restore` | tf.keras' `save_before_preemption=True`: on SIGTERM every worker backs up at the same step and exits; `fit` resumes after the batches trained |
 | `random.seed_generator.SeedGenerator.next` | `replica_seeds` | replicas draw different random numbers, as rows do on one device |
 | `backend.tensorflow.optimizer.TFOptimizer` update methods, `LossScaleOptimizer._tf_apply` | TensorFlow engine (`backend/tensorflow/keras_hooks.py`) | the summed update is applied in TF's cross-replica context |
 | `backend.tensorflow.core.Variable.assign_add`, `assign_sub`, `__array__`, `TFOptimizer._distributed_tf_update_step` (and its `add_variable_from_reference` again) | TensorFlow engine (`backend/tensorflow/parameter_server.py`) | `ParameterServerStrategy`: increments are atomic on the parameter server; a variable split by a partitioner reads, updates and gets slots as one |
@@ -72,7 +73,8 @@ REPLACED = (
     ("keras.src.metrics.reduction_metrics.Mean.update_state", "metric_weighting"),
     ("keras.src.saving.saving_api.save_model", "chief_only"),
     ("keras.src.saving.saving_api.save_weights", "chief_only"),
-    ("keras.src.callbacks.backup_and_restore.BackupAndRestore._save_model", "backup_and_restore"),
+    *((f"keras.src.callbacks.backup_and_restore.BackupAndRestore.{name}", "backup_and_restore")
+      for name in backup_and_restore.REPLACED_METHODS),
     ("keras.src.random.seed_generator.SeedGenerator.next", "replica_seeds"),
 )
 

@@ -1,4 +1,4 @@
-"""`BackupAndRestore` backups that are whole or absent, for models of a strategy.
+"""`BackupAndRestore` backups that are whole or absent, and saved before a preemption.
 
 Keras writes a backup as two files, the weights and then the epoch they belong
 to. A worker stopped between the two (the launcher stops every worker as soon
@@ -8,6 +8,12 @@ written under temporary names and then renamed into place, with SIGTERM and
 SIGINT held back for the two renames. The multi-worker save barrier is left out:
 no worker reads a backup while training, and a barrier after the weights is
 exactly where a lost worker would leave the chief stranded.
+
+`BackupAndRestore(..., save_before_preemption=True)` (tf.keras' argument) also
+backs up when a worker gets SIGTERM: every worker stops at the same step
+(`failure_handling/step_agreement.py`), the chief writes the backup with the
+batches trained in the epoch, and all exit with code 42. A restarted `fit` of
+a strategy's model resumes after those batches, as if never stopped.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from keras.src.utils import file_utils
 from keras_strategies.keras_integration.ownership import strategy_of
 
 _HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_TRAINED_BATCHES = "ks_trained_batches"  # metadata of a backup taken inside an epoch
 
 
 @contextlib.contextmanager
@@ -62,8 +69,11 @@ def _wrap_save_model(original: Callable) -> Callable:
         pending_metadata = self._training_metadata_path + ".pending"
         save_weights = getattr(saving_api.save_weights, "_ks_original", saving_api.save_weights)
         save_weights(self.model, pending_weights, overwrite=True)
+        metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen}
+        if getattr(self, "_ks_trained_batches", 0):
+            metadata[_TRAINED_BATCHES] = self._ks_trained_batches
         with open(pending_metadata, "w") as file:
-            json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, file)
+            json.dump(metadata, file)
         with _stop_signals_held():
             os.replace(pending_weights, self._weights_path)
             os.replace(pending_metadata, self._training_metadata_path)
@@ -72,7 +82,128 @@ def _wrap_save_model(original: Callable) -> Callable:
     return _save_model
 
 
+def _wrap_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, save_before_preemption: bool = False, **kwargs):
+        original(self, *args, **kwargs)
+        if not isinstance(save_before_preemption, bool):
+            raise ValueError(f"save_before_preemption must be True or False, got {save_before_preemption!r}.")
+        self.save_before_preemption = save_before_preemption
+        self._ks_preemption = None
+
+    __init__._ks_original = original
+    return __init__
+
+
+def _wrap_load_model(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _load_model(self):
+        original(self)
+        if strategy_of(self.model) is not None and file_utils.exists(self._training_metadata_path):
+            with open(self._training_metadata_path) as file:
+                self.model._ks_initial_batch = int(json.load(file).get(_TRAINED_BATCHES, 0))
+
+    _load_model._ks_original = original
+    return _load_model
+
+
+class _PreemptionWatch:
+    """The termination notice and the step agreement of one `fit` (see the module docstring)."""
+
+    def __init__(self, model):
+        from keras_strategies.failure_handling.preemption_handler import step_agreement
+        from keras_strategies.failure_handling.termination import TerminationConfig, TerminationWatch
+
+        strategy = strategy_of(model)
+        cluster = getattr(strategy.extended, "_cluster", None) if strategy is not None else None
+        self.config = TerminationConfig()
+        self.watch = TerminationWatch(self.config)
+        self.agreement = step_agreement(cluster) if cluster is not None else None
+        self.boundaries = 0
+
+    def due(self) -> bool:
+        self.boundaries += 1
+        noticed = self.watch.due()
+        return self.agreement.should_save(self.boundaries, noticed) if self.agreement else noticed
+
+    def close(self) -> None:
+        self.watch.close()
+        if self.agreement:
+            self.agreement.close()
+
+
+def _wrap_on_train_begin(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def on_train_begin(self, logs=None):
+        original(self, logs)
+        if getattr(self, "save_before_preemption", False):
+            self._ks_preemption = _PreemptionWatch(self.model)
+
+    on_train_begin._ks_original = original
+    return on_train_begin
+
+
+def _wrap_on_epoch_begin(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def on_epoch_begin(self, epoch, logs=None):
+        self._ks_epoch = epoch
+        return original(self, epoch, logs)
+
+    on_epoch_begin._ks_original = original
+    return on_epoch_begin
+
+
+def _wrap_on_train_batch_end(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def on_train_batch_end(self, batch, logs=None):
+        original(self, batch, logs)
+        preemption = getattr(self, "_ks_preemption", None)
+        if preemption is None or not preemption.due():
+            return
+        # The backup of a preempted epoch: Keras resumes at its epoch, `fit` after its batches.
+        self._current_epoch, self._last_batch_seen = getattr(self, "_ks_epoch", 0), batch
+        self._ks_trained_batches = batch + 1
+        self._save_model()
+        self._ks_trained_batches = 0
+        if preemption.agreement:
+            preemption.agreement.saved()
+        preemption.close()
+        preemption.config.exit_fn()
+
+    on_train_batch_end._ks_original = original
+    return on_train_batch_end
+
+
+def _wrap_on_train_end(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def on_train_end(self, logs=None):
+        preemption = getattr(self, "_ks_preemption", None)
+        if preemption is not None:
+            preemption.close()
+            self._ks_preemption = None
+        return original(self, logs)
+
+    on_train_end._ks_original = original
+    return on_train_end
+
+
+_WRAPPERS = {
+    "__init__": _wrap_init,
+    "_save_model": _wrap_save_model,
+    "_load_model": _wrap_load_model,
+    "on_train_begin": _wrap_on_train_begin,
+    "on_epoch_begin": _wrap_on_epoch_begin,
+    "on_train_batch_end": _wrap_on_train_batch_end,
+    "on_train_end": _wrap_on_train_end,
+}
+
+
+REPLACED_METHODS = tuple(_WRAPPERS)
+
+
 def install() -> None:
-    """Installs the hook (idempotent)."""
-    if not hasattr(BackupAndRestore._save_model, "_ks_original"):
-        BackupAndRestore._save_model = _wrap_save_model(BackupAndRestore._save_model)
+    """Installs the hooks (idempotent)."""
+    for name, wrap in _WRAPPERS.items():
+        method = getattr(BackupAndRestore, name)
+        if not hasattr(method, "_ks_original"):
+            setattr(BackupAndRestore, name, wrap(method))

@@ -48,6 +48,9 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
+PREEMPTED_EXIT_CODE = 42  # `ks.experimental.PreemptionCheckpointHandler`'s (and TensorFlow's) exit after its save
+
+
 def exit_code(returncode: int) -> int:
     """A `Popen.returncode` as a shell reports it: killed by signal S -> 128 + S."""
     return 128 - returncode if returncode < 0 else returncode
@@ -61,6 +64,8 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             name = f"signal {-returncode}"
         return f"was killed by {name} (exit code {exit_code(returncode)})"
+    if returncode == PREEMPTED_EXIT_CODE:
+        return f"exited with code {returncode} (saved its state after a preemption notice)"
     return f"exited with code {returncode}"
 
 

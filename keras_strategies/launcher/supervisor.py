@@ -378,5 +378,6 @@ def launch(
             events = queue.SimpleQueue()  # nothing of the stopped workers reaches the next attempt
             catcher.events = events
             message(f"restarting all {workers + ps} processes (restart {restart + 1} of {max_restarts}); "
-                    "they resume from their last backup (keras.callbacks.BackupAndRestore).")
+                    "they resume from their last backup (keras.callbacks.BackupAndRestore, "
+                    "ks.experimental.PreemptionCheckpointHandler).")
     raise AssertionError("unreachable: the last attempt returns")  # pragma: no cover

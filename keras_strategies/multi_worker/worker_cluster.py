@@ -39,6 +39,21 @@ class WorkerCluster:
         return f"{self.names[worker_index]} ({self.addresses[worker_index]})"
 
 
+LOCAL_CLUSTER = WorkerCluster(1, 0, None, None, ("localhost",), ("local worker",), True, None, None)
+"""One process on its own (a strategy without a cluster)."""
+
+_joined: dict = {}  # the cluster this process joined ("cluster": WorkerCluster)
+
+
+def joined_cluster() -> Optional[WorkerCluster]:
+    """The cluster this process joined (through its engine's collectives), or None."""
+    return _joined.get("cluster")
+
+
+def set_joined_cluster(cluster: WorkerCluster) -> None:
+    _joined["cluster"] = cluster
+
+
 def resolve(resolver: Any) -> WorkerCluster:
     """Validates the resolver's cluster with TF's rules and orders the training workers."""
     spec = roles.normalize_cluster_spec(resolver.cluster_spec())
@@ -59,7 +74,7 @@ def resolve(resolver: Any) -> WorkerCluster:
         )
     spec = roles.validate_multi_worker_config(spec, task_type, task_id)
     if not spec:
-        return WorkerCluster(1, 0, None, None, ("localhost",), ("local worker",), True, spec, None)
+        return LOCAL_CLUSTER
     task_id = int(task_id)
     jobs = [job for job in ("chief", "worker") if job in spec.jobs]
     addresses, names = [], []

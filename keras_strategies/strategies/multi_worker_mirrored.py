@@ -25,7 +25,7 @@ from keras_strategies.distribute.devices import default_compute_devices
 from keras_strategies.input import worker_sharding
 from keras_strategies.strategies.mirrored import MirroredExtended
 from keras_strategies.keras_integration import chief_only
-from keras_strategies.multi_worker.worker_cluster import WorkerCluster, resolve
+from keras_strategies.multi_worker.worker_cluster import WorkerCluster, joined_cluster, resolve, set_joined_cluster
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.multi_worker.health import HealthMonitor
 from keras_strategies.distribute.reduce_op import ReduceOp
@@ -38,19 +38,16 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.asarray(keras_backend.convert_to_numpy(value))
 
 
-_joined: dict = {}  # the cluster this process joined ("cluster": WorkerCluster)
-
-
 def _join(cluster: WorkerCluster, options: CommunicationOptions) -> None:
     """Joins the cluster once per process; a later strategy for the same cluster shares it.
 
     Every engine joins one cluster per process (`jax.distributed`, the torch process group,
     TensorFlow's cluster), so a second strategy for another cluster is refused.
     """
-    joined = _joined.get("cluster")
+    joined = joined_cluster()
     if joined is None:
         engine.collectives.initialize(cluster, options)
-        _joined["cluster"] = cluster
+        set_joined_cluster(cluster)
     elif (joined.addresses, joined.worker_index) != (cluster.addresses, cluster.worker_index):
         raise RuntimeError(
             f"This process already joined a cluster as {joined.describe(joined.worker_index)} of "

@@ -215,6 +215,10 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     # BackupAndRestore may have restored the chief's backup: every worker continues from the chief's state.
     strategy.extended._sync_variables_from_chief(force=True)
     initial_epoch = strategy.extended._broadcast_from_chief(model._initial_epoch or initial_epoch)
+    # A backup saved on a preemption notice (`backup_and_restore.py`) was taken inside its epoch:
+    # that epoch resumes after the batches it had trained.
+    trained_batches = strategy.extended._broadcast_from_chief(getattr(model, "_ks_initial_batch", 0) or 0)
+    model._ks_initial_batch = 0
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
@@ -226,6 +230,8 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         strategy.extended._use_chief_input_rngs()
         with worker_sharding.per_worker_input(per_worker):
             for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
+                if end_step < trained_batches:
+                    continue
                 callbacks.on_train_batch_begin(begin_step)
                 results = stop.run(step.train_step, batches)
                 if results is None:
@@ -234,6 +240,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
                 callbacks.on_train_batch_end(end_step, logs)
                 if stop.leave_now():
                     break
+        trained_batches = 0
         epoch_logs = dict(model._get_metrics_result_or_logs(logs))
         _set_mode(model, False)
         if validation_data is not None and model._should_eval(epoch, validation_freq):

@@ -342,3 +342,31 @@ def collective_values(worker):
         np.zeros((0, 3), "float32"),
         rng.normal(size=(300, 1000)).astype("float32"),  # 1.1 MB: on its own
     ]
+
+
+PREEMPTION_STEPS = 8  # the custom loop of the preemption test: 2 passes over the 4 batches of `data()`
+
+
+def loop_step(strategy, model, optimizer, ks):
+    """`step(k)`: the guide's distributed step on batch `k % 4` of `data()` (the last has 2 rows)."""
+    x, y = data()
+    batches = [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
+    loss_object = keras.losses.MeanSquaredError(reduction="none")
+
+    def train_step(inputs, global_batch_size):
+        features, labels = inputs
+
+        def loss_fn():
+            return ks.compute_average_loss(loss_object(labels, model(features, training=True)),
+                                           global_batch_size=global_batch_size)
+
+        loss, grads = ks.value_and_grad(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    def step(k):
+        batch = batches[k % len(batches)]
+        inputs = next(iter(strategy.experimental_distribute_dataset([batch])))
+        return strategy.reduce(ks.ReduceOp.SUM, strategy.run(train_step, args=(inputs, len(batch[0]))), axis=None)
+
+    return step
