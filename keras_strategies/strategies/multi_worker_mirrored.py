@@ -28,6 +28,7 @@ from keras_strategies.keras_integration import chief_only
 from keras_strategies.multi_worker.worker_cluster import WorkerCluster, joined_cluster, resolve, set_joined_cluster
 from keras_strategies.multi_worker.communication import CommunicationImplementation, CommunicationOptions
 from keras_strategies.multi_worker.health import HealthMonitor
+from keras_strategies.multi_worker.joining import JoinWatch
 from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.backend.common.replica_variables import FIRST
 from keras_strategies.distribute.strategy import Strategy
@@ -46,7 +47,8 @@ def _join(cluster: WorkerCluster, options: CommunicationOptions) -> None:
     """
     joined = joined_cluster()
     if joined is None:
-        engine.collectives.initialize(cluster, options)
+        with JoinWatch(cluster, options.effective_timeout):
+            engine.collectives.initialize(cluster, options)
         set_joined_cluster(cluster)
     elif (joined.addresses, joined.worker_index) != (cluster.addresses, cluster.worker_index):
         raise RuntimeError(

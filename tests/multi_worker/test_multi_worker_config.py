@@ -7,6 +7,7 @@ test process; real multi-process runs are in the other `test_multi_worker_*` mod
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 
@@ -309,3 +310,44 @@ def test_keras_makedirs_tolerates_a_directory_another_worker_just_created(tmp_pa
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError):
         file_utils.makedirs(str(tmp_path / "file"))
+
+
+def _never_joined(timeout):
+    import subprocess
+
+    from keras_strategies.launcher.tf_config import free_ports
+
+    port, other = free_ports(2)
+    program = os.path.join(os.path.dirname(__file__), "programs", "never_joined.py")
+    return subprocess.Popen([sys.executable, program, str(port), str(other), str(timeout)],
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_STRATEGIES_CPU_DEVICES": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_worker_that_never_joins_is_named_after_timeout_seconds_with_progress_meanwhile():
+    import time
+
+    started = time.monotonic()
+    process = _never_joined(6)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode != 0 and "JOINED" not in out
+    assert "worker 0 (127.0.0.1:" in err and "is waiting for the other 1 worker(s) to join" in err, err[-3000:]
+    message = err.split("LostWorkerError: ")[-1]
+    assert message.startswith("the cluster did not form within timeout_seconds=6: worker 0"), err[-3000:]
+    assert "waited for worker 1 (127.0.0.1:" in message and "Start every worker" in message
+    assert "Check failure" not in err and "Traceback" not in err, err[-3000:]  # no engine abort, no stack
+    assert time.monotonic() - started < 6 + 60  # the start-up of Python and the backend, then the timeout
+
+
+def test_ctrl_c_ends_a_worker_waiting_for_the_others_at_once():
+    import signal
+    import time
+
+    process = _never_joined(120)
+    for line in process.stderr:
+        if "is waiting for the other" in line:
+            break
+    sent = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    process.communicate(timeout=60)
+    assert process.returncode != 0 and time.monotonic() - sent < 10

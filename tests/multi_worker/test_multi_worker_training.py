@@ -293,3 +293,23 @@ if keras.backend.backend() == "torch":  # `TorchModuleWrapper` exists on PyTorch
         np.testing.assert_allclose(running_mean, mean, **TOL)
         np.testing.assert_allclose(running_var, var, **TOL)
         assert int(batches) == 3
+
+
+def test_a_cluster_on_127_0_0_1_listens_on_the_loopback_interface_only(run):
+    """TensorFlow's gRPC server is the exception: TensorFlow binds it to every interface, with no
+    option to change it (docs/guide/multi-worker.md#network-exposure); it is on the task's own port."""
+    import ipaddress
+
+    _, _, workers = run
+    for task, results in enumerate(workers):
+        listening = [entry.split() for entry in results["listening"].tolist()]
+        assert listening, f"worker {task} listens on nothing"
+        outside = []
+        for host, port in listening:
+            address = ipaddress.ip_address(host)
+            if not (getattr(address, "ipv4_mapped", None) or address).is_loopback:
+                outside.append((host, port))
+        if keras.backend.backend() == "tensorflow":
+            assert outside == [("::", str(results["own_port"]))], (task, listening)
+        else:
+            assert not outside, (task, listening)

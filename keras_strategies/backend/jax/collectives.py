@@ -18,7 +18,7 @@ from jax._src import core, distributed, xla_bridge
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keras_strategies.backend.common import packing
+from keras_strategies.backend.common import loopback, packing, timeouts
 
 _state: dict = {}
 
@@ -37,8 +37,12 @@ def initialize(cluster: Any, options: Any) -> None:
             coordinator_address=cluster.chief_address,
             num_processes=cluster.num_workers,
             process_id=cluster.worker_index,
-            initialization_timeout=timeout,
-            heartbeat_timeout_seconds=timeout,
+            initialization_timeout=int(timeout + timeouts.ENGINE_MARGIN_SECONDS),
+            # JAX's own heartbeats abort the process (a C++ check failure) when a peer stops; ours
+            # (multi_worker/health.py) name it first, with a clear error.
+            heartbeat_timeout_seconds=int(timeout + timeouts.ENGINE_MARGIN_SECONDS),
+            # The coordinator listens on every interface unless told; a cluster on loopback keeps it there.
+            coordinator_bind_address=cluster.chief_address if loopback.all_loopback(cluster.addresses) else None,
         )
     first_of_each = {}
     for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_strategies.backend.common import packing
+from keras_strategies.backend.common import loopback, packing, timeouts
 
 _state: dict = {}
 
@@ -28,10 +28,15 @@ def initialize(cluster: Any, options: Any) -> None:
     backend = "nccl" if options.implementation.value == "NCCL" else "gloo"
     host, port = _split_address(cluster.chief_address)
     timeout = datetime.timedelta(seconds=options.effective_timeout)
+    listen_fd = None
+    if cluster.worker_index == 0 and loopback.all_loopback(cluster.addresses):
+        listen_fd = loopback.listening_socket(host, port)  # not on every interface, as by default
     store = dist.TCPStore(
-        host, port, cluster.num_workers, is_master=cluster.worker_index == 0, timeout=timeout,
-        wait_for_workers=True,
+        host, port, cluster.num_workers, is_master=cluster.worker_index == 0,
+        timeout=timeout + datetime.timedelta(seconds=timeouts.ENGINE_MARGIN_SECONDS),
+        wait_for_workers=True, master_listen_fd=listen_fd,
     )
+    store.set_timeout(timeout)
     if not dist.is_initialized():
         dist.init_process_group(backend, store=store, rank=cluster.worker_index,
                                 world_size=cluster.num_workers, timeout=timeout)

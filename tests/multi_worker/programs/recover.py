@@ -4,8 +4,10 @@
 chief must fail with `ks.LostWorkerError`. `restart` phase (under the launcher's
 `--max-restarts`): the same crash in the first attempt only; the launcher
 restarts every worker, which resume from the chief's backup and finish. `hang` phase: worker 1 hangs
-instead (its heartbeats go on); the chief must fail after `timeout_seconds`. `resume` phase: all workers start
-again, resume from the chief's backup and finish; the chief alone writes.
+instead (its heartbeats go on); the chief must fail after `timeout_seconds`. `stop` phase: worker 1 stops
+itself with SIGSTOP (alive, its connections open, no heartbeats); the chief must fail within
+`timeout_seconds`. `resume` phase: all workers start again, resume from the chief's backup and
+finish; the chief alone writes.
 """
 
 import os
@@ -15,7 +17,7 @@ import time
 
 import keras_strategies as ks
 
-TIMEOUT = 20 if sys.argv[2] == "hang" else 30
+TIMEOUT = 20 if sys.argv[2] in ("hang", "stop") else 30
 strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=TIMEOUT))
 
 import keras  # noqa: E402
@@ -26,8 +28,8 @@ from common import GLOBAL_BATCH, build_model, data  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
 first_attempt = os.environ.get("KERAS_STRATEGIES_RESTART_COUNT", "0") == "0"
-if phase == "hang":
-    out = os.path.join(out, "hang")
+if phase in ("hang", "stop"):
+    out = os.path.join(out, phase)
     os.makedirs(out, exist_ok=True)
 task_id = strategy.cluster_resolver.task_id
 keras.utils.set_random_seed(100 + task_id)
@@ -50,6 +52,9 @@ class KillMe(keras.callbacks.Callback):
             if phase == "hang":
                 print(f"HANGING worker {task_id}", flush=True)
                 time.sleep(3600)
+            if phase == "stop":
+                print(f"STOPPING worker {task_id}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
             print(f"KILLING worker {task_id}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -59,7 +64,7 @@ callbacks = [
     keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt", "model_{epoch}.keras"), verbose=1),  # prints on the chief only
     keras.callbacks.TensorBoard(os.path.join(out, "tb")),
 ]
-if (phase in ("crash", "hang") or (phase == "restart" and first_attempt)) and task_id == 1:
+if (phase in ("crash", "hang", "stop") or (phase == "restart" and first_attempt)) and task_id == 1:
     callbacks.append(KillMe())
 model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=2, callbacks=callbacks)
 model.save(os.path.join(out, "final.keras"))

@@ -287,6 +287,13 @@ if strategy.num_replicas_in_sync == 2:
     except RuntimeError as error:
         results["other_cluster_error"] = str(error)
 
+# What this worker listens on, after training: every server of a cluster on 127.0.0.1 keeps to it.
+import psutil  # noqa: E402  (installed with the test requirements)
+
+results["own_port"] = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][task_id].rsplit(":", 1)[1]
+results["listening"] = sorted({f"{c.laddr.ip} {c.laddr.port}" for c in psutil.Process().net_connections(kind="inet")
+                               if c.status == psutil.CONN_LISTEN})
+
 flat = {}
 for key, value in results.items():
     if isinstance(value, list) and value and isinstance(value[0], np.ndarray):
