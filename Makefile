@@ -45,10 +45,10 @@ test-keras-min: $(KERAS_MIN_STAMP)
 	KS_TEST_BACKENDS=jax-keras-min KS_TEST_KERAS_MIN_PYTHON=$(CURDIR)/$(KERAS_MIN_PY) $(KERAS_MIN_PY) scripts/test_all_backends.py
 
 # The soak test (random workers killed under the launcher's --max-restarts), five new kill
-# plans on every backend; `make test` runs one per backend.
+# plans on every backend; `make test` runs one, on PyTorch (KS_SOAK_BACKENDS).
 soak: $(STAMP)
 	for backend in tensorflow jax torch; do for run in 1 2 3 4 5; do \
-		KERAS_BACKEND=$$backend $(PY) -m pytest -q -k random_kills tests/multi_worker/test_multi_worker_soak.py || exit 1; \
+		KS_SOAK_BACKENDS=$$backend KERAS_BACKEND=$$backend $(PY) -m pytest -q -k random_kills tests/multi_worker/test_multi_worker_soak.py || exit 1; \
 	done; done
 
 # Only the tests marked `gpu` (they skip with fewer than 2 GPUs; `make test` runs them too). One

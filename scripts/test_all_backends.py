@@ -21,8 +21,10 @@ cores. Process tests of the lanes share
 the machine; a test that bounds a time holds a lock alone (`tests/conftest.py`),
 so that its bound never depends on another backend's processes. Beside other runs,
 `jax-keras-min` runs only the tests that start no process (the `jax` run runs
-those with the newest Keras); alone (`KS_TEST_BACKENDS=jax-keras-min`, as in
-`make test-keras-min`) it runs them all.
+those with the newest Keras), each test function once with its first parameters
+(`KS_TEST_FIRST_VARIANTS`: the other parameters repeat the same code paths on
+other replica counts and inputs, which the `jax` run covers); alone
+(`KS_TEST_BACKENDS=jax-keras-min`, as in `make test-keras-min`) it runs them all.
 """
 
 from __future__ import annotations
@@ -55,10 +57,12 @@ def run_part(backend: str, select: str, pytest_args: list[str], directory: str) 
     compile: whichever run reaches a test second loads them instead.
     """
     python = sys.executable
-    if backend == KERAS_MIN_RUN:
-        python = os.environ["KS_TEST_KERAS_MIN_PYTHON"]
     env = dict(os.environ, KERAS_BACKEND=backend.split("-")[0],
                KS_TEST_PROCESS_LOCK=os.path.join(directory, "processes.lock"))
+    if backend == KERAS_MIN_RUN:
+        python = os.environ["KS_TEST_KERAS_MIN_PYTHON"]
+        if select != "all":  # beside the other runs: each test function once, with its first parameters
+            env["KS_TEST_FIRST_VARIANTS"] = "1"
     env["KS_TEST_SELECT"] = select
     if env["KERAS_BACKEND"] == "jax" and "JAX_COMPILATION_CACHE_DIR" not in env:
         env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(directory, "jax-cache"),

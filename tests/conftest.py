@@ -107,6 +107,7 @@ _RAY_TESTS = (
 _TIMED_TESTS = (
     "tests/multi_worker/test_multi_worker_recovery.py::test_a_killed_worker_",
     "tests/multi_worker/test_multi_worker_recovery.py::test_a_hung_worker_",
+    "tests/multi_worker/test_multi_worker_recovery.py::test_a_stopped_worker_",
     "tests/multi_worker/test_multi_worker_config.py::test_watchdog_",
     "tests/strategies/test_parameter_server.py::test_cluster_a_dead_parameter_server_",
     "tests/strategies/test_parameter_server.py::test_ray_a_killed_parameter_server_",
@@ -122,10 +123,23 @@ def pytest_collection_modifyitems(config, items):
     `scripts/test_all_backends.py` runs each backend as two pytest runs: its tests that start no
     process beside the other backends', and its process tests in the lanes shared by the backends.
     """
-    items.sort(key=lambda item: item.nodeid.startswith(_RAY_TESTS))  # stable: Ray's tests last
+    # Stable sorts: Ray's tests last; before the others, whole modules that hold a test that bounds
+    # a time. Such a test holds the process lock alone; early, while the tests without processes
+    # keep the machine busy anyway, the lanes it makes wait leave no core idle.
+    timed_modules = {item.nodeid.split("::")[0] for item in items if item.nodeid.startswith(_TIMED_TESTS)}
+    items.sort(key=lambda item: (item.nodeid.startswith(_RAY_TESTS), item.nodeid.split("::")[0] not in timed_modules))
     select = os.environ.get("KS_TEST_SELECT", "all")
     if select not in ("all", "in-process", "processes"):
         raise pytest.UsageError(f"KS_TEST_SELECT must be all, in-process or processes; got {select!r}.")
+    if os.environ.get("KS_TEST_FIRST_VARIANTS") == "1":
+        # Every test function once, with its first parameters (`make test`'s run on the lowest Keras).
+        seen, firsts, variants = set(), [], []
+        for item in items:
+            function = item.nodeid.split("[")[0]
+            (variants if function in seen else firsts).append(item)
+            seen.add(function)
+        config.hook.pytest_deselected(items=variants)
+        items[:] = firsts
     if select == "all":
         return
     keep, drop = [], []

@@ -4,6 +4,7 @@ and `fit` (`BackupAndRestore(save_before_preemption=True)`) resume where they st
 uninterrupted run. Real processes on 127.0.0.1 (`programs/preempt.py`)."""
 
 import os
+import re
 import sys
 
 import keras
@@ -20,7 +21,9 @@ from common import GLOBAL_BATCH, PREEMPTION_STEPS, build_model, data, loop_step 
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
     out = tmp_path_factory.mktemp("preempt")
-    run = run_program("preempt.py", [out], workers=2, devices_per_worker=1, timeout=480, max_restarts=2)
+    # Two preemptions; one more restart would let an attempt that fails to start (a port taken by
+    # another process between the launcher's pick and the worker's bind) not fail the test.
+    run = run_program("preempt.py", [out], workers=2, devices_per_worker=1, timeout=480, max_restarts=3)
     return out, check(run)
 
 
@@ -36,15 +39,14 @@ def _assert_same(actual, expected):
 
 def test_every_worker_saves_exits_42_and_the_launcher_restarts_them(preempted):
     _, run = preempted
-    assert run.stdout.count("SIGTERM to worker 1") == 2, run.stdout
-    assert "exited with code 42 (saved its state after a preemption notice)" in run.stderr, run.stderr[-3000:]
-    assert "restart 2 of 2" in run.stderr, run.stderr[-3000:]
-    # The loop: noticed after step 5, saved after step 6; the finished loop is skipped in attempt 2.
-    assert "[worker 0] attempt 1: the loop starts at step 6" in run.stdout, run.stdout
-    assert "[worker 1] attempt 1: the loop starts at step 6" in run.stdout, run.stdout
-    assert f"[worker 0] attempt 2: the loop starts at step {PREEMPTION_STEPS}" in run.stdout, run.stdout
-    # fit: stopped in epoch 2, resumed inside it: 2 epochs logged in attempt 2.
-    assert "[worker 0] attempt 2: fit trained 2 epoch(s)" in run.stdout, run.stdout
+    assert run.stdout.count("SIGTERM to worker 1") == 2, run
+    assert run.stderr.count("exited with code 42 (saved its state after a preemption notice)") == 2, run
+    # The loop: noticed after step 5, saved after step 6; the finished loop is skipped in the last attempt.
+    for task in (0, 1):
+        starts = re.findall(rf"\[worker {task}\] attempt \d+: the loop starts at step (\d+)", run.stdout)
+        assert starts[-2:] == ["6", str(PREEMPTION_STEPS)], run
+    # fit: stopped in epoch 2, resumed inside it: 2 epochs logged in the last attempt.
+    assert re.findall(r"\[worker 0\] attempt \d+: fit trained (\d) epoch", run.stdout) == ["2"], run
     assert run.stdout.count("DONE") == 2
 
 

@@ -2,7 +2,9 @@
 and ends with the weights of an uninterrupted run, in bounded time, with no process left behind.
 
 Each run draws a new kill plan (its seed is in the failure message; `KS_SOAK_SEED` repeats
-it); `make soak` runs it several times on every backend.
+it). What it tests is the launcher's and `BackupAndRestore`'s, the same code on every backend,
+so `make test` runs it on the backends of `KS_SOAK_BACKENDS` (default: PyTorch, the quickest
+to start); `make soak` runs it several times on every backend.
 """
 
 import json
@@ -19,6 +21,11 @@ from test_launch import _running  # noqa: E402  (tests/ is on the path: its conf
 
 sys.path.insert(0, PROGRAMS)
 from common import GLOBAL_BATCH, N, build_model, data  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KERAS_BACKEND") not in os.environ.get("KS_SOAK_BACKENDS", "torch").split(","),
+    reason="the soak runs on the backends of KS_SOAK_BACKENDS (make test: torch; make soak: every backend)",
+)
 
 KILLS = 3
 EPOCHS = 4  # programs/soak.py

@@ -1,11 +1,11 @@
-"""Preemption on every worker at one step, under the launcher's restarts (`max_restarts=2`).
+"""Preemption on every worker at one step, under the launcher's restarts.
 
-Part 1, a custom loop through `ks.experimental.PreemptionCheckpointHandler`: in
-the first attempt worker 1 gets SIGTERM after step 5; every worker saves after
-step 6 and exits with code 42. Part 2, `fit` with
-`BackupAndRestore(save_before_preemption=True)`: in the second attempt worker 1
-gets SIGTERM in epoch 2, after its batch 1. The third attempt resumes both where
-they stopped. The chief saves the initial and final weights of both parts.
+Part 1, a custom loop through `ks.experimental.PreemptionCheckpointHandler`:
+worker 1 gets SIGTERM after step 5 (the first time it gets there); every worker
+saves after step 6 and exits with code 42. Part 2, `fit` with
+`BackupAndRestore(save_before_preemption=True)`: worker 1 gets SIGTERM in epoch
+2, after its batch 1 (the first time). The next attempts resume both where they
+stopped. The chief saves the initial and final weights of both parts.
 """
 
 import os
@@ -35,7 +35,12 @@ def save_once(name, weights):
         np.savez(path, *weights)
 
 
-def sigterm(what):
+def sigterm_once(what):
+    """SIGTERM to this worker, the first time it gets to `what` (an attempt may have failed to start)."""
+    marker = os.path.join(out, f"sigterm {what}")
+    if os.path.exists(marker):
+        return
+    open(marker, "w").close()
     print(f"SIGTERM to worker {task_id} {what}", flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -51,8 +56,8 @@ handler = ks.experimental.PreemptionCheckpointHandler(strategy.cluster_resolver,
 print(f"attempt {attempt}: the loop starts at step {handler.total_run_calls}", flush=True)
 step = loop_step(strategy, model, optimizer, ks)
 while handler.total_run_calls < PREEMPTION_STEPS:
-    if attempt == 0 and task_id == 1 and handler.total_run_calls == 5:
-        sigterm("after loop step 5")
+    if task_id == 1 and handler.total_run_calls == 5:
+        sigterm_once("after loop step 5")
     handler.run(step, handler.total_run_calls)
 if chief:
     manager.save(checkpoint_number=handler.total_run_calls)  # a later attempt skips the finished loop
@@ -66,7 +71,7 @@ class SigtermInEpoch2(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if (self.epoch, batch) == (1, 1):
-            sigterm("in epoch 2 after batch 1")
+            sigterm_once("in epoch 2 after batch 1")
 
 
 x, y = data()
@@ -74,7 +79,7 @@ with strategy.scope():
     fit_model = build_model()
 save_once("fit_initial.npz", fit_model.get_weights())
 callbacks = [keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_before_preemption=True)]
-if attempt == 1 and task_id == 1:
+if task_id == 1:
     callbacks.insert(0, SigtermInEpoch2())
 history = fit_model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=2, callbacks=callbacks)
 print(f"attempt {attempt}: fit trained {len(history.history['loss'])} epoch(s)", flush=True)
