@@ -69,36 +69,13 @@ def test_a_killed_worker_fails_the_chief_within_20_seconds_naming_it(crash):
     assert "DONE" not in crash["chief_out"]
 
 
-def test_a_hung_worker_fails_the_chief_after_timeout_seconds_naming_it(tmp_path):
-    chief, worker = _start_workers(tmp_path, "hang")
+def _chief_after(tmp_path, phase, signal_line):
+    """(chief's exit code, its stderr, seconds from worker 1's `signal_line` to the chief's exit)."""
+    chief, worker = _start_workers(tmp_path, phase)
     try:
         started = None
         for line in worker.stdout:
-            if "HANGING worker 1" in line:
-                started = time.monotonic()
-                break
-        assert started is not None, worker.communicate(timeout=5)
-        _, chief_err = chief.communicate(timeout=120)
-        seconds = time.monotonic() - started
-    finally:
-        for process in (chief, worker):
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
-    assert chief.returncode not in (0, None)
-    assert 18 <= seconds < 20 + 20, seconds  # timeout_seconds=20 in the program, plus the step and the grace
-    message = chief_err.split("LostWorkerError")[-1]
-    assert "worker 1 (127.0.0.1:" in message and "did not join it within timeout_seconds=20" in message, chief_err[-3000:]
-
-
-def test_a_stopped_worker_fails_the_chief_within_timeout_seconds_naming_it(tmp_path):
-    # SIGSTOP: the worker neither dies nor answers; its sockets stay open, so no collective fails
-    # by itself and only the heartbeats tell.
-    chief, worker = _start_workers(tmp_path, "stop")
-    try:
-        started = None
-        for line in worker.stdout:
-            if "STOPPING worker 1" in line:
+            if signal_line in line:
                 started = time.monotonic()
                 break
         assert started is not None, worker.communicate(timeout=5)
@@ -109,7 +86,22 @@ def test_a_stopped_worker_fails_the_chief_within_timeout_seconds_naming_it(tmp_p
             if process.poll() is None:
                 process.kill()  # a stopped process still takes SIGKILL
             process.communicate()
-    assert chief.returncode not in (0, None)
+    return chief.returncode, chief_err, seconds
+
+
+def test_a_hung_worker_fails_the_chief_after_timeout_seconds_naming_it(tmp_path):
+    code, chief_err, seconds = _chief_after(tmp_path, "hang", "HANGING worker 1")
+    assert code not in (0, None)
+    assert 18 <= seconds < 20 + 20, seconds  # timeout_seconds=20 in the program, plus the step and the grace
+    message = chief_err.split("LostWorkerError")[-1]
+    assert "worker 1 (127.0.0.1:" in message and "did not join it within timeout_seconds=20" in message, chief_err[-3000:]
+
+
+def test_a_stopped_worker_fails_the_chief_within_timeout_seconds_naming_it(tmp_path):
+    # SIGSTOP: the worker neither dies nor answers; its sockets stay open, so no collective fails
+    # by itself and only the heartbeats tell.
+    code, chief_err, seconds = _chief_after(tmp_path, "stop", "STOPPING worker 1")
+    assert code not in (0, None)
     assert seconds <= 20, seconds  # timeout_seconds=20 in the program; the heartbeats tell after about 10 s
     message = chief_err.split("LostWorkerError")[-1]
     assert "worker 1 (127.0.0.1:" in message and "sent no heartbeat" in message, chief_err[-3000:]
