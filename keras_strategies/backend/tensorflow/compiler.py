@@ -11,7 +11,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 
 def compile_function(fn: Callable) -> Callable:
-    return tf.function(fn, reduce_retracing=True)
+    return tf.function(fn, reduce_retracing=True, autograph=False)
 
 
 def compile_replicated_step(fn: Callable) -> Callable:
@@ -24,7 +24,7 @@ def compile_replicated_step(fn: Callable) -> Callable:
     has no `__code__`, so TensorFlow counts the traces of each model's step on
     their own (see `make_replicated`).
     """
-    return tf.function(functools.partial(fn))
+    return tf.function(functools.partial(fn), autograph=False)
 
 
 def with_rows(value: Any, rows: int) -> Any:
@@ -53,7 +53,7 @@ def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
     outputs by the static batch size (`shape[0]`), which a relaxed trace
     loses, counting a partial last batch as one sample.
     """
-    return tf.function(fn)
+    return tf.function(fn, autograph=False)
 
 
 def outside_compiled() -> Any:

@@ -145,6 +145,6 @@ def apply_gradients(optimizer, grads, variables) -> None:
     key = tuple(id(v) for v in variables)
     cached = getattr(optimizer, _COMPILED, None)
     if cached is None or cached[0] != key:
-        cached = (key, tf.function(_Apply(optimizer, variables)))
+        cached = (key, tf.function(_Apply(optimizer, variables), autograph=False))
         object.__setattr__(optimizer, _COMPILED, cached)
     cached[1](list(grads))

@@ -204,7 +204,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         # A partial has no `__code__`: TF counts traces per code object, so every replicated step
         # (train, test, predict, of every model) would share one count and warn of "frequent
         # retracing" after a few first traces; this way each function has its own count.
-        step = tf.function(functools.partial(step), reduce_retracing=True)
+        step = tf.function(functools.partial(step), reduce_retracing=True, autograph=False)
 
     def run(shared: tuple, per_replica: Sequence[tuple]) -> list:
         distributed = strategy.experimental_distribute_values_from_function(
