@@ -32,6 +32,36 @@ def step_agreement(cluster: WorkerCluster) -> StepAgreement:
     return StepAgreement(cluster, engine.collectives.kv_set, engine.collectives.kv_try_get)
 
 
+class PreemptionPoint:
+    """A termination notice and the cluster's agreement on where to act on it.
+
+    `due(step)` is true at the same step boundary on every worker once any
+    worker was noticed; `save_and_exit(save)` then runs `save`, tells the other
+    workers it is done (they wait for the chief's save), and exits through the
+    config's `exit_fn`. Shared by the handler and `BackupAndRestore(save_before_preemption=True)`.
+    """
+
+    def __init__(self, cluster: WorkerCluster, config: TerminationConfig):
+        self.config = config
+        self._agreement = step_agreement(cluster)
+        self._watch = TerminationWatch(config)
+
+    def due(self, step: int) -> bool:
+        return self._agreement.should_save(step, self._watch.due())
+
+    def save_and_exit(self, save: Callable[[], Any]) -> None:
+        started = time.monotonic()
+        save()
+        self._watch.save_seconds = time.monotonic() - started
+        self._agreement.saved()
+        self.close()
+        self.config.exit_fn()
+
+    def close(self) -> None:
+        self._agreement.close()
+        self._watch.close()
+
+
 def _manager(checkpoint_or_checkpoint_manager: Any, checkpoint_dir: Optional[str]) -> CheckpointManager:
     given = checkpoint_or_checkpoint_manager
     if isinstance(given, CheckpointManager):
@@ -91,8 +121,7 @@ class PreemptionCheckpointHandler:
         self._manager = _manager(checkpoint_or_checkpoint_manager, checkpoint_dir)
         self._config = termination_config
         self._run_counter = checkpoint_number(self._manager.restore_or_initialize())
-        self._agreement = step_agreement(self._cluster)
-        self._watch = TerminationWatch(termination_config)
+        self._preemption = PreemptionPoint(self._cluster, termination_config)
 
     @property
     def total_run_calls(self) -> int:
@@ -121,16 +150,14 @@ class PreemptionCheckpointHandler:
         yield
 
     def _check(self, *args: Any, **kwargs: Any) -> None:
-        if not self._agreement.should_save(self._run_counter, self._watch.due()):
+        if not self._preemption.due(self._run_counter):
             return
-        started = time.monotonic()
-        if self._config.save_fn is not None:
-            self._config.save_fn()
-        elif self._cluster.is_chief:
-            kwargs.setdefault("checkpoint_number", self._run_counter)
-            self._manager.save(*args, **kwargs)
-        self._watch.save_seconds = time.monotonic() - started
-        self._agreement.saved()
-        self._agreement.close()
-        self._watch.close()
-        self._config.exit_fn()
+
+        def save() -> None:
+            if self._config.save_fn is not None:
+                self._config.save_fn()
+            elif self._cluster.is_chief:
+                kwargs.setdefault("checkpoint_number", self._run_counter)
+                self._manager.save(*args, **kwargs)
+
+        self._preemption.save_and_exit(save)

@@ -107,29 +107,15 @@ def _wrap_load_model(original: Callable) -> Callable:
     return _load_model
 
 
-class _PreemptionWatch:
+def _preemption_point(model):
     """The termination notice and the step agreement of one `fit` (see the module docstring)."""
+    from keras_strategies.failure_handling.preemption_handler import PreemptionPoint
+    from keras_strategies.failure_handling.termination import TerminationConfig
+    from keras_strategies.multi_worker.worker_cluster import LOCAL_CLUSTER
 
-    def __init__(self, model):
-        from keras_strategies.failure_handling.preemption_handler import step_agreement
-        from keras_strategies.failure_handling.termination import TerminationConfig, TerminationWatch
-
-        strategy = strategy_of(model)
-        cluster = getattr(strategy.extended, "_cluster", None) if strategy is not None else None
-        self.config = TerminationConfig()
-        self.watch = TerminationWatch(self.config)
-        self.agreement = step_agreement(cluster) if cluster is not None else None
-        self.boundaries = 0
-
-    def due(self) -> bool:
-        self.boundaries += 1
-        noticed = self.watch.due()
-        return self.agreement.should_save(self.boundaries, noticed) if self.agreement else noticed
-
-    def close(self) -> None:
-        self.watch.close()
-        if self.agreement:
-            self.agreement.close()
+    strategy = strategy_of(model)
+    cluster = getattr(strategy.extended, "_cluster", None) if strategy is not None else None
+    return PreemptionPoint(cluster or LOCAL_CLUSTER, TerminationConfig())
 
 
 def _wrap_on_train_begin(original: Callable) -> Callable:
@@ -137,7 +123,7 @@ def _wrap_on_train_begin(original: Callable) -> Callable:
     def on_train_begin(self, logs=None):
         original(self, logs)
         if getattr(self, "save_before_preemption", False):
-            self._ks_preemption = _PreemptionWatch(self.model)
+            self._ks_preemption, self._ks_boundaries = _preemption_point(self.model), 0
 
     on_train_begin._ks_original = original
     return on_train_begin
@@ -158,17 +144,20 @@ def _wrap_on_train_batch_end(original: Callable) -> Callable:
     def on_train_batch_end(self, batch, logs=None):
         original(self, batch, logs)
         preemption = getattr(self, "_ks_preemption", None)
-        if preemption is None or not preemption.due():
+        if preemption is None:
             return
-        # The backup of a preempted epoch: Keras resumes at its epoch, `fit` after its batches.
-        self._current_epoch, self._last_batch_seen = getattr(self, "_ks_epoch", 0), batch
-        self._ks_trained_batches = batch + 1
-        self._save_model()
-        self._ks_trained_batches = 0
-        if preemption.agreement:
-            preemption.agreement.saved()
-        preemption.close()
-        preemption.config.exit_fn()
+        self._ks_boundaries += 1
+        if not preemption.due(self._ks_boundaries):
+            return
+
+        def save():
+            # The backup of a preempted epoch: Keras resumes at its epoch, `fit` after its batches.
+            self._current_epoch, self._last_batch_seen = getattr(self, "_ks_epoch", 0), batch
+            self._ks_trained_batches = batch + 1
+            self._save_model()
+            self._ks_trained_batches = 0
+
+        preemption.save_and_exit(save)
 
     on_train_batch_end._ks_original = original
     return on_train_batch_end
