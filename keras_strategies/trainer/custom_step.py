@@ -13,7 +13,10 @@ batch (replicas without samples sit the step out). Inside it:
 - metrics updated with `self.compute_metrics(...)` accumulate over replicas,
   and the logs are read once all replicas are done.
 
-Replicas run eagerly, one at a time between collectives. With several
+Stateless steps (JAX) on shards of one size run as one compiled replica
+program, as Keras' own JAX trainer compiles a model's step; otherwise (uneven
+shards, `run_eagerly=True`, a step JAX cannot trace, stateful steps)
+replicas run eagerly, one at a time between collectives. With several
 workers, each worker runs the step on its replicas' shards of the global
 batch; afterwards the metric states (summed deltas) and non-trainable values
 (mean) are combined across workers, so logs are global and every worker
@@ -22,7 +25,8 @@ holds the same state.
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Sequence
 
 import keras
 from keras import ops
@@ -53,11 +57,27 @@ class CustomStep:
         self.strategy = strategy
         self.devices = strategy.extended.worker_devices
         self.host = strategy.extended._variable_device  # where variables live and updates run
+        self._programs: dict = {}  # step kind -> its compiled replica program (`_run_compiled`)
+        self._eager_kinds: dict = {}  # step kind -> why it could not be compiled
 
     def _run(self, kind: str, shards: Any) -> tuple[list, list, int]:
         """Per replica, the model's step outputs and (stateless steps) new states; and how many replicas had rows."""
         sizes, batch = shards.sizes, shards.batch
         pieces = split_batch(shards.local, sizes)
+        if self._compiles(kind, sizes):
+            try:
+                results = self._run_compiled(kind, pieces, sizes[0] / batch)
+            except engine.trainer.UNTRACEABLE_ERRORS as error:
+                self._eager_kinds[kind] = error
+                warnings.warn(
+                    f"The model's own {kind}_step could not be compiled ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''}); it runs eagerly on every "
+                    "replica from now on, which is slower. A step that JAX can trace (no Python "
+                    "decisions on tensor values, no `merge_call`) runs as one compiled program.",
+                    stacklevel=2,
+                )
+            else:
+                return [r[0] for r in results], [r[1] for r in results], len(sizes)
         active = [i for i, size in enumerate(sizes) if size > 0]
         idle = not active
         if idle:
@@ -88,6 +108,35 @@ class CustomStep:
         results = run((), [() for _ in devices])
         writes.combine()
         return [r[0] for r in results], [r[1] for r in results], 0 if idle else len(active)
+
+    def _compiles(self, kind: str, sizes: Sequence[int]) -> bool:
+        """Whether this step runs as one compiled replica program: stateless steps (JAX), unless
+        the model runs eagerly, on shards of one size (a program has one shape per input; padding
+        rows would enter the step's own means), once tracing it has not failed."""
+        return (
+            not engine.trainer.STATEFUL_STEPS
+            and not self.model.run_eagerly
+            and len(set(sizes)) == 1
+            and sizes[0] > 0
+            and kind not in self._eager_kinds
+        )
+
+    def _run_compiled(self, kind: str, pieces: list, gradient_weight: float) -> list:
+        """The model's step on every replica as one compiled program (one per step kind)."""
+        if kind not in self._programs:
+            snapshot = keras_state.capture()
+
+            def replica(replica_id, state, piece):
+                replica_context = context.ReplicaContext(
+                    self.strategy, replica_id, in_program=True, gradient_weight=gradient_weight)
+                with keras_state.installed(snapshot), context.enter_frame(self.strategy, replica_context):
+                    loss_reduction.enter_replica_loss(gradient_weight, None, None)
+                    shard = data_adapter_utils.pack_x_y_sample_weight(*piece) if kind != "predict" else (piece[0],)
+                    return engine.trainer.call_step(self.model, kind, shard, None, state=state)
+
+            self._programs[kind] = engine.replicas.make_replicated(replica, self.devices, compiled=True)
+        state = engine.trainer.step_state(self.model, kind)
+        return self._programs[kind]((state,), [(tuple(as_tensors(piece)),) for piece in pieces])
 
     def _combine_states(self, kind: str, states: list) -> None:
         """Stateless steps (JAX) return one state per replica; it is combined and assigned."""

@@ -13,6 +13,11 @@ from keras_strategies.backend.jax.devices import copy_to
 STATEFUL_STEPS = False
 # Keras' own JAX trainer builds a model from the first batch before `fit`; one it cannot build fails.
 DEFERS_BUILD = False
+# What tracing a model's own step raises when JAX cannot compile it (`trainer/custom_step.py`
+# then runs it eagerly): a Python decision on a traced value, or a `merge_call`.
+UNTRACEABLE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                      jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError,
+                      NotImplementedError)
 # Keras' own JAX trainer reads NumPy batches, which draw from no global generator unless shuffled.
 PIPELINE_DRAWS_RNG = False
 
@@ -36,13 +41,21 @@ def state_parts(model: Any, kind: str) -> list:
     return parts
 
 
-def call_step(model: Any, kind: str, data: Any, device: str) -> tuple[Any, Any]:
+def step_state(model: Any, kind: str) -> tuple:
+    """The state tuple that Keras' JAX trainer passes to `model.<kind>_step`."""
+    return tuple([v.value for v in variables] for variables, _ in state_parts(model, kind))
+
+
+def call_step(model: Any, kind: str, data: Any, device: Optional[str], state: Optional[tuple] = None) -> tuple[Any, Any]:
     """Calls `model.<kind>_step` on `device`; returns `(logs or outputs, new state or None)`.
 
     The state goes to the replica's device first: computations follow their
-    committed inputs, so replicas would otherwise all run where the variables live.
+    committed inputs, so replicas would otherwise all run where the variables
+    live. In a compiled replica program (`device=None`) the caller passes the
+    program's `state`.
     """
-    state = tuple([copy_to(v.value, device) for v in variables] for variables, _ in state_parts(model, kind))
+    if state is None:
+        state = tuple([copy_to(value, device) for value in part] for part in step_state(model, kind))
     result = getattr(model, f"{kind}_step")(state, data)
     if kind == "predict":  # (outputs, non_trainable_variables); inference changes no state
         return result[0], None

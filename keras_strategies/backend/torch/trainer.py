@@ -6,6 +6,8 @@ from typing import Any, Callable, Iterable, Optional
 
 # The step writes the model's variables itself (see `keras_strategies.backend.common.replica_variables`).
 STATEFUL_STEPS = True
+# Stateful steps run as they are (`trainer/custom_step.py` compiles only stateless ones).
+UNTRACEABLE_ERRORS: tuple = ()
 # Keras' own PyTorch trainer builds a model from the first batch before `fit`; one it cannot build fails.
 DEFERS_BUILD = False
 # Each `DataLoader` iterator draws its base seed from torch's global generator, even unshuffled:
