@@ -1,6 +1,7 @@
 """Models overriding `train_step` / `test_step` / `predict_step` under MirroredStrategy (the documented contract)."""
 
 import functools
+import warnings
 
 import keras
 import numpy as np
@@ -68,6 +69,44 @@ class OwnTrainStep(keras.Model):
 
     def train_step(self, *args):
         return super().train_step(*args)
+
+
+def test_a_step_on_shards_of_one_size_is_one_compiled_program_on_jax():
+    # Batch 8 on 2 replicas: shards [4, 4] at every step. JAX traces the replica program once
+    # (Keras' own JAX trainer traces a model's step once too); the other backends call the
+    # step once per replica and step: 2 epochs x 2 batches x 2 replicas.
+    x, y = regression_data(16)
+    model, _ = assert_same_fit(build, x, y, batch_size=8, replicas=2)
+    assert model.steps["train"] == (1 if keras.backend.backend() == "jax" else 8)
+
+
+class MergingTrainStep(OwnTrainStep):
+    """A step that calls `merge_call`, which a compiled JAX replica program cannot run."""
+
+    def train_step(self, *args):
+        ks.get_replica_context().merge_call(lambda strategy: None)
+        return super().train_step(*args)
+
+
+def test_a_step_that_cannot_be_compiled_runs_eagerly_after_one_warning_and_trains_like_one_device():
+    x, y = regression_data(16)
+
+    def build_merging():
+        inputs = keras.Input((3,))
+        model = MergingTrainStep(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05))
+        return model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_fit(build_merging, x, y, batch_size=8, replicas=2)
+    compiled_warnings = [str(w.message) for w in caught if "could not be compiled" in str(w.message)]
+    if keras.backend.backend() == "jax":
+        assert len(compiled_warnings) == 1, compiled_warnings
+        assert "train_step" in compiled_warnings[0] and "NotImplementedError" in compiled_warnings[0]
+        assert "merge_call" in compiled_warnings[0]
+    else:  # TensorFlow's and PyTorch's steps run eagerly anyway
+        assert not compiled_warnings
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
