@@ -46,7 +46,9 @@ def train_once() -> None:
         model = build_model()
     initial_weights = model.get_weights()
     # 1000 samples with a global batch of 64: the last batch (40) is partial.
-    model.fit(x, y, batch_size=64, epochs=3, shuffle=False)
+    # One log line per epoch: `run_all` reads this output through a pipe, where Keras' progress
+    # bar would print every update on a line of its own.
+    model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=2)
     loss, mae = model.evaluate(x, y, batch_size=64, verbose=0)
 
     single = build_model()  # no strategy: one device

@@ -41,6 +41,9 @@ if _running_the_launcher():
             raise AttributeError(f"module 'keras_strategies' has no attribute {name!r}") from None
 
 else:
+    from keras_strategies import _quiet_tensorflow
+
+    _quiet_tensorflow.install()  # before Keras, which imports TensorFlow on its backend
     from keras_strategies._api import *  # noqa: F401,F403
     from keras_strategies._api import __all__  # noqa: F401
     from keras_strategies._api import __getattr__  # noqa: F401  (names tf.distribute has and ks does not)
