@@ -26,7 +26,7 @@ holds the same state.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
 import keras
 from keras import ops
@@ -64,7 +64,7 @@ class CustomStep:
         """Per replica, the model's step outputs and (stateless steps) new states; and how many replicas had rows."""
         sizes, batch = shards.sizes, shards.batch
         pieces = split_batch(shards.local, sizes)
-        if self._compiles(kind, sizes):
+        if self._compiles(kind, shards):
             try:
                 results = self._run_compiled(kind, pieces, sizes[0] / batch)
             except engine.trainer.UNTRACEABLE_ERRORS as error:
@@ -109,15 +109,20 @@ class CustomStep:
         writes.combine()
         return [r[0] for r in results], [r[1] for r in results], 0 if idle else len(active)
 
-    def _compiles(self, kind: str, sizes: Sequence[int]) -> bool:
+    def _compiles(self, kind: str, shards: Any) -> bool:
         """Whether this step runs as one compiled replica program: stateless steps (JAX), unless
         the model runs eagerly, on shards of one size (a program has one shape per input; padding
-        rows would enter the step's own means), once tracing it has not failed."""
+        rows would enter the step's own means), once tracing it has not failed.
+
+        The shards of every worker decide, not this worker's alone: every worker then takes the
+        same path, and all compute the same update (compiled and eager updates can differ in the
+        last bit).
+        """
         return (
             not engine.trainer.STATEFUL_STEPS
             and not self.model.run_eagerly
-            and len(set(sizes)) == 1
-            and sizes[0] > 0
+            and not shards.uneven
+            and shards.sizes[0] > 0
             and kind not in self._eager_kinds
         )
 
