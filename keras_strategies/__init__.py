@@ -41,7 +41,7 @@ if _running_the_launcher():
             raise AttributeError(f"module 'keras_strategies' has no attribute {name!r}") from None
 
 else:
-    from keras_strategies import _quiet_tensorflow
+    from keras_strategies.console import quiet_tensorflow as _quiet_tensorflow
 
     _quiet_tensorflow.install()  # before Keras, which imports TensorFlow on its backend
     from keras_strategies._api import *  # noqa: F401,F403

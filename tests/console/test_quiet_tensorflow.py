@@ -6,9 +6,9 @@ import sys
 
 import keras
 
-from keras_strategies._quiet_tensorflow import NOISE, stderr_without_noise
+from keras_strategies.console.quiet_tensorflow import NOISE, stderr_without_noise
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What TensorFlow 2.21 prints while it loads (twice per process), TF_CPP_MIN_LOG_LEVEL or not.
 START_UP_LINES = (
     b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
