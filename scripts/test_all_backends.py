@@ -42,13 +42,26 @@ BACKENDS = ("tensorflow", "jax", "torch")
 KERAS_MIN_RUN = "jax-keras-min"  # the JAX suite on the lowest supported Keras
 # Started longest first, so that the runs end close together.
 START_ORDER = ("jax", KERAS_MIN_RUN, "tensorflow", "torch")
+# Every run and every process it starts (workers, kernels) computes each op on one thread. The
+# tests' models are tiny, and many processes share the cores: a pool of threads per op and per
+# process only makes them wait for one another (threads that spin while they wait, on cores another
+# run needs). Set any of them to use other values.
+ONE_THREAD_PER_OP = {
+    "OMP_NUM_THREADS": "1",  # PyTorch's intra-op threads
+    "TF_NUM_INTRAOP_THREADS": "1",  # TensorFlow's; its inter-op threads stay (collectives wait in them)
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",  # JAX's
+}
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
 _print_lock = threading.Lock()
+# pytest's short summary lines (`-rfE`, its default): repeated at the end, so a log's tail names them.
+_FAILURE_LINES = ("FAILED ", "ERROR ")
 _LABELS = {"all": "all tests", "in-process": "tests without processes", "processes": "tests that start processes"}
 
 
-def run_part(backend: str, select: str, pytest_args: list[str], directory: str) -> tuple[int, dict, float]:
-    """Runs one backend's (or `jax-keras-min`'s) tests of `select`; returns (exit code, counts, seconds).
+def run_part(backend: str, select: str, pytest_args: list[str], directory: str) -> tuple[int, dict, float, list]:
+    """Runs one backend's (or `jax-keras-min`'s) tests of `select`.
+
+    Returns (exit code, counts, seconds, pytest's FAILED/ERROR lines).
 
     `directory` holds what the runs share: the lock of the tests that start
     processes and, for the two JAX runs, one persistent compilation cache
@@ -59,6 +72,8 @@ def run_part(backend: str, select: str, pytest_args: list[str], directory: str) 
     python = sys.executable
     env = dict(os.environ, KERAS_BACKEND=backend.split("-")[0],
                KS_TEST_PROCESS_LOCK=os.path.join(directory, "processes.lock"))
+    for name, value in ONE_THREAD_PER_OP.items():
+        env.setdefault(name, value)
     if backend == KERAS_MIN_RUN:
         python = os.environ["KS_TEST_KERAS_MIN_PYTHON"]
         if select != "all":  # beside the other runs: each test function once, with its first parameters
@@ -77,16 +92,19 @@ def run_part(backend: str, select: str, pytest_args: list[str], directory: str) 
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     last = ""
+    failures = []
     for line in process.stdout:
         with _print_lock:
             print(f"[{tag}] {line}", end="", flush=True)
+        if line.startswith(_FAILURE_LINES):
+            failures.append(line.strip())
         if line.strip():
             last = line
     code = process.wait()
     counts = {kind.rstrip("s"): int(n) for n, kind in _COUNT.findall(last)}
     with _print_lock:
         print(f"===== {backend} ({_LABELS[select]}) done in {time.monotonic() - started:.0f}s =====", flush=True)
-    return code, counts, time.monotonic() - started
+    return code, counts, time.monotonic() - started, failures
 
 
 def _parts(backends: list[str]) -> tuple[list, list]:
@@ -99,20 +117,20 @@ def _parts(backends: list[str]) -> tuple[list, list]:
     return side_by_side, lane
 
 
-def _combine(parts: list) -> tuple[int, dict, float]:
+def _combine(parts: list) -> tuple[int, dict, float, list]:
     """One backend's result from its parts; "no tests collected" (exit 5) in one part is fine."""
-    codes = [code for code, _, _ in parts]
+    codes = [code for code, _, _, _ in parts]
     counts: dict = {}
-    for _, part_counts, _ in parts:
+    for _, part_counts, _, _ in parts:
         for kind, n in part_counts.items():
             counts[kind] = counts.get(kind, 0) + n
     failing = [c for c in codes if c not in (0, 5)]
     code = failing[0] if failing else (5 if all(c == 5 for c in codes) else 0)
-    return code, counts, sum(seconds for _, _, seconds in parts)
+    return code, counts, sum(part[2] for part in parts), [line for part in parts for line in part[3]]
 
 
 def run_all(backends: list[str], pytest_args: list[str], jobs: int, lanes: int) -> dict:
-    """Runs the backends, `jobs` pytest runs at a time; returns {backend: (exit code, counts, seconds)}.
+    """Runs the backends, `jobs` pytest runs at a time; returns {backend: `_combine`'s result}.
 
     With several backends, the process tests run in `lanes` threads of their own besides the
     `jobs` threads, which take process tests too once their own runs are done (never more
@@ -177,7 +195,7 @@ def main() -> int:
     results = run_all(backends, sys.argv[1:], jobs, int(lanes_text))
     print("\n===== summary =====")
     total_passed = total_failed = 0
-    for backend, (code, counts, seconds) in results.items():
+    for backend, (code, counts, seconds, failures) in results.items():
         failed = counts.get("failed", 0) + counts.get("error", 0)
         if code != 0 and failed == 0:
             failed = 1  # pytest itself failed (collection error, no tests run, ...)
@@ -186,9 +204,11 @@ def main() -> int:
         status = "ok" if code == 0 else f"FAILED (exit {code})"
         print(f"{backend:>13}: {counts.get('passed', 0)} passed, {failed} failed, "
               f"{counts.get('skipped', 0)} skipped in {seconds:.0f}s of pytest runs  {status}")
+        for line in failures:
+            print(f"{'':>15}{line}")
     print(f"total: {total_passed} passed, {total_failed} failed in {time.monotonic() - started:.0f}s "
           f"({min(jobs, len(backends))} backend(s) at a time, process tests in {lanes_text} lane(s))")
-    return 0 if all(code == 0 for code, _, _ in results.values()) else 1
+    return 0 if all(result[0] == 0 for result in results.values()) else 1
 
 
 if __name__ == "__main__":
