@@ -107,6 +107,7 @@ _RAY_TESTS = (
 
 _TIMED_TESTS = (
     "tests/multi_worker/test_multi_worker_recovery.py::test_a_killed_worker_",
+    "tests/multi_worker/test_multi_worker_recovery.py::test_a_killed_chief_",
     "tests/multi_worker/test_multi_worker_recovery.py::test_a_hung_worker_",
     "tests/multi_worker/test_multi_worker_recovery.py::test_a_stopped_worker_",
     "tests/multi_worker/test_multi_worker_config.py::test_watchdog_",

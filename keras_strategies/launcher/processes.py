@@ -20,6 +20,8 @@ import threading
 import time
 from typing import IO, Callable, Iterable, Sequence
 
+from keras_strategies.console.worker_output import is_engine_noise
+
 _POSIX = os.name == "posix"
 _PROC_STAT = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
 _PR_SET_PDEATHSIG = 1
@@ -98,13 +100,15 @@ class LineWriter:
 
 
 def _pump(pipe: IO[bytes], prefix: str, writer: LineWriter) -> None:
-    """Copies `pipe` to `writer` line by line, each line prefixed with the task name."""
+    """Copies `pipe` to `writer` line by line, each line prefixed with the task name, without the
+    engines' lines that say nothing to act on (`console.worker_output`)."""
     with pipe:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", "replace")
             if line.endswith("\n"):
                 line = line[:-2] if line.endswith("\r\n") else line[:-1]
-            writer.write_line(prefix + line)
+            if not is_engine_noise(line):
+                writer.write_line(prefix + line)
 
 
 class WorkerProcess:

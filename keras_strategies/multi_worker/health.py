@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 import time
@@ -68,6 +69,9 @@ class HealthMonitor:
         self._seen = {i: (None, now, 0) for i in self._peers}
         self._store_ok_at = now
         self._store_failing_since: Optional[float] = None  # calls to the store raise since then
+        # The store's host refused a connection: its process is gone, so no more store calls (each
+        # failing one costs a timeout, and torch logs it with a C++ stack).
+        self._store_gone = False
         self._completed = 0
         self._in_flight_since: Optional[float] = None
         self._what = ""
@@ -99,7 +103,18 @@ class HealthMonitor:
         self._completed += 1
 
     def failed(self, error: BaseException) -> LostWorkerError:
-        """The error to raise when a collective failed inside the backend: names the lost worker if found."""
+        """The error to raise when a collective failed inside the backend: names the lost worker if found.
+
+        A dead chief is named at once (its store refuses connections); another lost peer is
+        found by its heartbeats, which takes up to `dead_after` seconds.
+        """
+        if self.error is None and self._me != 0 and (self._store_gone or self._store_refuses()):
+            self._store_gone = True
+            self.error = LostWorkerError(
+                f"Lost a worker during a cross-worker collective ({self._what}) on {self._describe_me()}: "
+                f"{self._cluster.describe(0)}, which hosts the cluster's store, refuses connections: it died. "
+                "Restart all workers (BackupAndRestore resumes from the last backup)."
+            )
         deadline = time.monotonic() + self._dead_after + 2 * self._interval
         while self.error is None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -113,15 +128,34 @@ class HealthMonitor:
     def _describe_me(self) -> str:
         return self._cluster.describe(self._me)
 
+    def _store_refuses(self) -> bool:
+        """Whether the chief's store address refuses a TCP connection (no process listens there).
+
+        A refusal is conclusive; a timeout or an unreachable network is not (a busy or distant
+        chief): those stay for the heartbeats to judge.
+        """
+        host, _, port = self._cluster.chief_address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=1.0).close()
+        except ConnectionRefusedError:
+            return True
+        except (OSError, ValueError):
+            return False
+        return False
+
     def _beat(self) -> None:
         seq = 0
         while not self._stop.is_set():
             seq += 1
+            values = None
             try:
-                self._kv_set(self._key(self._me), f"{seq} {self._completed}")
-                values = {i: self._kv_try_get(self._key(i)) for i in self._peers}
+                if not self._store_gone:
+                    self._kv_set(self._key(self._me), f"{seq} {self._completed}")
+                    values = {i: self._kv_try_get(self._key(i)) for i in self._peers}
             except Exception:  # noqa: BLE001 - the store is gone: the watchdog reports the chief
                 values = None
+                if self._me != 0 and self._store_refuses():
+                    self._store_gone = True
             now = time.monotonic()
             if values is None and self._store_failing_since is None:
                 self._store_failing_since = now
@@ -206,7 +240,8 @@ class HealthMonitor:
         for thread in self._threads:
             thread.join(timeout=2 * self._interval)
         try:
-            self._kv_set(self._key(self._me), f"{LEFT} {self._completed}")
+            if not self._store_gone:
+                self._kv_set(self._key(self._me), f"{LEFT} {self._completed}")
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
         if self._failed_exit:

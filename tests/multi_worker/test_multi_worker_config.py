@@ -7,6 +7,7 @@ test process; real multi-process runs are in the other `test_multi_worker_*` mod
 import contextlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -265,6 +266,38 @@ def test_watchdog_counts_failing_store_calls_as_lost_contact_but_not_slow_ones()
         error = _wait_for_error(monitor, 5)
         assert error is not None and "lost contact with worker 0 (127.0.0.1:1)" in str(error), error
         monitor.end()
+    finally:
+        monitor.stop()
+
+
+def test_a_collective_failed_by_a_dead_chief_names_it_at_once_and_the_store_is_called_no_more():
+    # Nothing listens on the chief's store port (it died): a refused connection says so at once,
+    # without the heartbeats' wait, and no further store call is made (torch logs each failing one
+    # with a C++ stack).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    spec = ks.ClusterSpec({"worker": [f"127.0.0.1:{closed_port}", "127.0.0.1:2"]})
+    second = resolve(SimpleClusterResolver(spec, task_type="worker", task_id=1))
+    calls = []
+
+    def gone(*args):
+        calls.append(args)
+        raise ConnectionError("Broken pipe")
+
+    monitor = HealthMonitor(second, gone, gone, timeout=60, dead_after=30, interval=0.1)
+    try:
+        monitor.begin("gradient all-reduce")
+        started = time.monotonic()
+        error = monitor.failed(RuntimeError("Connection closed by peer"))
+        assert time.monotonic() - started < 5
+        assert isinstance(error, LostWorkerError)
+        assert f"worker 0 (127.0.0.1:{closed_port}), which hosts the cluster's store, refuses connections" in str(error)
+        assert "gradient all-reduce" in str(error)
+        time.sleep(0.5)
+        made = len(calls)
+        time.sleep(0.5)  # five more heartbeat intervals
+        assert len(calls) == made <= 1, calls
     finally:
         monitor.stop()
 

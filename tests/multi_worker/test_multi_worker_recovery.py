@@ -42,20 +42,28 @@ def _start_workers(out, phase):
     return processes
 
 
-@pytest.fixture(scope="module")
-def crash(tmp_path_factory):
-    out = tmp_path_factory.mktemp("recovery")
-    chief, worker = _start_workers(out, "crash")
+def _one_killed(out, phase):
+    """Runs `phase`, in which one worker kills itself: (killed, survivor) as (exit code, stdout,
+    stderr) and the seconds from the killed one's exit to the survivor's."""
+    chief, worker = _start_workers(out, phase)
+    killed, survivor = (chief, worker) if phase == "chief_crash" else (worker, chief)
     try:
-        worker_out, worker_err = worker.communicate(timeout=240)
+        killed_out, killed_err = killed.communicate(timeout=240)
         killed_at = time.monotonic()
-        chief_out, chief_err = chief.communicate(timeout=TIMEOUT_SECONDS + 60)
-        chief_seconds = time.monotonic() - killed_at
+        survivor_out, survivor_err = survivor.communicate(timeout=TIMEOUT_SECONDS + 60)
+        seconds = time.monotonic() - killed_at
     finally:
         for process in (chief, worker):
             if process.poll() is None:
                 process.kill()
-    return dict(out=out, worker_code=worker.returncode, worker_out=worker_out, chief_code=chief.returncode,
+    return (killed.returncode, killed_out, killed_err), (survivor.returncode, survivor_out, survivor_err), seconds
+
+
+@pytest.fixture(scope="module")
+def crash(tmp_path_factory):
+    out = tmp_path_factory.mktemp("recovery")
+    (worker_code, worker_out, _), (chief_code, chief_out, chief_err), chief_seconds = _one_killed(out, "crash")
+    return dict(out=out, worker_code=worker_code, worker_out=worker_out, chief_code=chief_code,
                 chief_out=chief_out, chief_err=chief_err, chief_seconds=chief_seconds)
 
 
@@ -67,6 +75,19 @@ def test_a_killed_worker_fails_the_chief_within_20_seconds_naming_it(crash):
     assert "LostWorkerError" in crash["chief_err"], crash["chief_err"][-3000:]
     assert "worker 1" in crash["chief_err"].split("LostWorkerError")[-1], crash["chief_err"][-3000:]
     assert "DONE" not in crash["chief_out"]
+
+
+def test_a_killed_chief_fails_the_other_worker_within_20_seconds_naming_it_without_engine_noise(tmp_path):
+    # The chief hosts the cluster's store and, on JAX, its coordination service: without them the
+    # other workers must still end with our error, not a C++ abort (JAX) or stack traces (torch).
+    (chief_code, chief_out, _), (worker_code, _, worker_err), seconds = _one_killed(tmp_path, "chief_crash")
+    assert "KILLING worker 0" in chief_out and chief_code == -9, chief_out
+    assert worker_code == 1, (worker_code, worker_err[-3000:])  # not an abort (-6)
+    assert seconds <= LOST_WORKER_SECONDS, seconds
+    message = worker_err.split("LostWorkerError")[-1]
+    assert "worker 0 (127.0.0.1:" in message and "worker 1 (127.0.0.1:" in message, worker_err[-3000:]
+    for noise in ("Check failure", "Terminating process", "[c10d]", "Broken pipe"):
+        assert noise not in worker_err, (noise, worker_err[-3000:])
 
 
 def _chief_after(tmp_path, phase, signal_line):

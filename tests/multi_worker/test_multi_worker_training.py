@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 
+import mw_launch
 from mw_launch import PROGRAMS, run_together
 
 sys.path.insert(0, PROGRAMS)
@@ -313,3 +314,10 @@ def test_a_cluster_on_127_0_0_1_listens_on_the_loopback_interface_only(run):
             assert outside == [("::", str(results["own_port"]))], (task, listening)
         else:
             assert not outside, (task, listening)
+
+
+def test_the_launcher_relays_no_gloo_connection_lines(run):
+    # JAX's gloo prints one per communicator and worker; the launcher keeps them out.
+    _, devices, _ = run
+    launched, _ = mw_launch._together[devices]
+    assert "[worker 0]" in launched.stdout and "[Gloo]" not in launched.stdout + launched.stderr, launched

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from keras_strategies.backend.common import loopback, packing, timeouts
+from keras_strategies.backend.jax import coordination_service
 
 _state: dict = {}
 
@@ -33,17 +34,18 @@ def initialize(cluster: Any, options: Any) -> None:
             )
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         timeout = int(max(options.effective_timeout, 10))
-        jax.distributed.initialize(
-            coordinator_address=cluster.chief_address,
-            num_processes=cluster.num_workers,
-            process_id=cluster.worker_index,
-            initialization_timeout=int(timeout + timeouts.ENGINE_MARGIN_SECONDS),
-            # JAX's own heartbeats abort the process (a C++ check failure) when a peer stops; ours
-            # (multi_worker/health.py) name it first, with a clear error.
-            heartbeat_timeout_seconds=int(timeout + timeouts.ENGINE_MARGIN_SECONDS),
-            # The coordinator listens on every interface unless told; a cluster on loopback keeps it there.
-            coordinator_bind_address=cluster.chief_address if loopback.all_loopback(cluster.addresses) else None,
-        )
+        with coordination_service.in_own_process(distributed, cluster.worker_index == 0):
+            jax.distributed.initialize(
+                coordinator_address=cluster.chief_address,
+                num_processes=cluster.num_workers,
+                process_id=cluster.worker_index,
+                initialization_timeout=int(timeout + timeouts.ENGINE_MARGIN_SECONDS),
+                # JAX's own heartbeats abort the process (a C++ check failure) when a peer stops; ours
+                # (multi_worker/health.py) name it first, with a clear error.
+                heartbeat_timeout_seconds=int(timeout + timeouts.ENGINE_MARGIN_SECONDS),
+                # The coordinator listens on every interface unless told; a cluster on loopback keeps it there.
+                coordinator_bind_address=cluster.chief_address if loopback.all_loopback(cluster.addresses) else None,
+            )
     first_of_each = {}
     for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
         first_of_each.setdefault(device.process_index, device)

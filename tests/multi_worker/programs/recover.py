@@ -1,7 +1,8 @@
 """A worker of a run with BackupAndRestore, ModelCheckpoint, TensorBoard and `model.save`.
 
 `crash` phase: worker 1 kills itself (SIGKILL) in the middle of epoch 2; the
-chief must fail with `ks.LostWorkerError`. `restart` phase (under the launcher's
+chief must fail with `ks.LostWorkerError`. `chief_crash` phase: the chief does, and worker 1 must
+fail with it, naming the chief. `restart` phase (under the launcher's
 `--max-restarts`): the same crash in the first attempt only; the launcher
 restarts every worker, which resume from the chief's backup and finish. `hang` phase: worker 1 hangs
 instead (its heartbeats go on); the chief must fail after `timeout_seconds`. `stop` phase: worker 1 stops
@@ -28,7 +29,7 @@ from common import GLOBAL_BATCH, build_model, data  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
 first_attempt = os.environ.get("KERAS_STRATEGIES_RESTART_COUNT", "0") == "0"
-if phase in ("hang", "stop"):
+if phase in ("hang", "stop", "chief_crash"):
     out = os.path.join(out, phase)
     os.makedirs(out, exist_ok=True)
 task_id = strategy.cluster_resolver.task_id
@@ -65,6 +66,8 @@ callbacks = [
     keras.callbacks.TensorBoard(os.path.join(out, "tb")),
 ]
 if (phase in ("crash", "hang", "stop") or (phase == "restart" and first_attempt)) and task_id == 1:
+    callbacks.append(KillMe())
+if phase == "chief_crash" and task_id == 0:
     callbacks.append(KillMe())
 model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=2, callbacks=callbacks)
 model.save(os.path.join(out, "final.keras"))
