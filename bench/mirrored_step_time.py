@@ -135,6 +135,14 @@ def _limit_threads(backend: str, threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports KiB, macOS bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024 if sys.platform == "darwin" else 1024)
+
+
 def _make_data(steps: int):
     import numpy as np
 
@@ -246,9 +254,11 @@ def run_worker(args) -> None:
     model, setup = _model_under_mode(keras, args.backend, args.devices, args.mode)
     timer = StepTimer()
     imported = time.perf_counter()
+    rss_before_fit = _peak_rss_mb()
     history = model.fit(
         x, y, batch_size=GLOBAL_BATCH, epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[timer]
     )
+    peak_rss = _peak_rss_mb()  # before the breakdown and the profile, which run more steps
     step_ms, cycle_ms = [], []
     for epoch in range(1, 1 + args.epochs):  # epoch 0 is warm-up
         begins, ends = timer.begin[epoch], timer.end[epoch]
@@ -271,6 +281,8 @@ def run_worker(args) -> None:
         "fit_s": time.perf_counter() - imported,
         "process_s": time.perf_counter() - started,
         "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "peak_rss_mb": peak_rss,
+        "fit_rss_growth_mb": peak_rss - rss_before_fit,
     }
 
     if args.mode == "ks" and args.breakdown:
@@ -591,6 +603,11 @@ def run_parent(args) -> int:
     print("Cross-check, begin-to-begin cycle time (step + loop overhead between steps):")
     print()
     print("\n".join(cycle_lines))
+    print()
+    print("Peak resident memory of each run's process (MiB; growth: from the compiled model to the end "
+          "of fit, i.e. what fit itself added; plain Keras on one device is the reference):")
+    print()
+    print(memory_table(runs))
     breakdown = breakdown_table(pairs, runs)
     if breakdown:
         print()
@@ -601,6 +618,22 @@ def run_parent(args) -> int:
     if errors:
         print("\nErrors:\n" + "\n".join(errors))
     return 1 if errors else 0
+
+
+def memory_table(runs) -> str:
+    """Median peak RSS and fit's growth per run, with the ratio to plain Keras on the same backend."""
+    lines = ["| backend | devices | run | peak RSS MiB | growth in fit MiB | peak vs plain Keras |",
+             "|---|---:|---|---:|---:|---:|"]
+    for backend, n, mode in sorted(runs, key=lambda k: (BACKENDS.index(k[0]), k[1], k[2] != "plain", k[2])):
+        ok = [r for r in runs[(backend, n, mode)] if "peak_rss_mb" in r]
+        if not ok:
+            continue
+        peak = statistics.median(r["peak_rss_mb"] for r in ok)
+        growth = statistics.median(r["fit_rss_growth_mb"] for r in ok)
+        plain = [r["peak_rss_mb"] for r in runs.get((backend, 1, "plain"), []) if "peak_rss_mb" in r]
+        ratio = f"{peak / statistics.median(plain):.2f}" if plain else "—"
+        lines.append(f"| {backend} | {n} | {MODE_NAMES[mode]} | {peak:.0f} | {growth:.0f} | {ratio} |")
+    return "\n".join(lines)
 
 
 BREAKDOWN_COLUMNS = ("_compiled_train", "optimizer", "_train", "_reduce", "_update_metrics", "_global_predictions")

@@ -59,6 +59,9 @@ def test_mirrored_step_time_smoke():
     for row in rows:
         ours, baseline, ratio = row[3], row[5], row[6]
         assert is_number(ours) and is_number(baseline) and is_number(ratio), rows
+    memory = table(output, "| backend | devices | run | peak RSS MiB |")
+    assert {row[0] for row in memory} == {BACKEND} and len(memory) == 3, memory  # ours, the baseline, CentralStorage
+    assert all(is_number(row[3]) and is_number(row[4].lstrip("-")) for row in memory), memory
     if devices != "1":  # one device runs Keras' own train step, which has no pieces of ours to time
         assert table(output, "| backend | devices | train_step ms |")[0][0] == BACKEND  # the breakdown ran
 
