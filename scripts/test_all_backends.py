@@ -51,6 +51,7 @@ ONE_THREAD_PER_OP = {
     "TF_NUM_INTRAOP_THREADS": "1",  # TensorFlow's; its inter-op threads stay (collectives wait in them)
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",  # JAX's
 }
+_SUMMARY = re.compile(r"^=*\s*(no tests ran|\d+ (passed|failed|errors?|skipped|deselected))")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
 _print_lock = threading.Lock()
 # pytest's short summary lines (`-rfE`, its default): repeated at the end, so a log's tail names them.
@@ -98,7 +99,7 @@ def run_part(backend: str, select: str, pytest_args: list[str], directory: str) 
             print(f"[{tag}] {line}", end="", flush=True)
         if line.startswith(_FAILURE_LINES):
             failures.append(line.strip())
-        if line.strip():
+        if _SUMMARY.match(line):  # pytest's last line, unless a thread prints after it at exit
             last = line
     code = process.wait()
     counts = {kind.rstrip("s"): int(n) for n, kind in _COUNT.findall(last)}

@@ -160,7 +160,12 @@ class WorkerHandle:
         delay = 0.02
         while True:
             try:
-                ray.get(self.actor.ping.remote(), timeout=10)
+                ping = self.actor.ping.remote()
+            except Exception as error:  # noqa: BLE001 - Ray raises a bare Exception for an actor it no longer knows
+                # (its runtime was shut down, or the actor is gone for good): asking again cannot help.
+                raise WorkerUnavailableError(self.name, f"its actor cannot be reached ({error})") from None
+            try:
+                ray.get(ping, timeout=10)
                 return
             except (ray.exceptions.GetTimeoutError, *_LOST):
                 if time.monotonic() > deadline:
