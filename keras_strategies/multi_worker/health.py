@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from keras_strategies.backend.common.loopback import host_of
+
 HEARTBEAT_INTERVAL = 1.0
 DEAD_AFTER = 10.0
 EXIT_GRACE = 3.0
@@ -134,9 +136,10 @@ class HealthMonitor:
         A refusal is conclusive; a timeout or an unreachable network is not (a busy or distant
         chief): those stay for the heartbeats to judge.
         """
-        host, _, port = self._cluster.chief_address.rpartition(":")
+        address = self._cluster.chief_address
         try:
-            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=1.0).close()
+            socket.create_connection((host_of(address) or "127.0.0.1", int(address.rpartition(":")[2])),
+                                     timeout=1.0).close()
         except ConnectionRefusedError:
             return True
         except (OSError, ValueError):
@@ -147,13 +150,12 @@ class HealthMonitor:
         seq = 0
         while not self._stop.is_set():
             seq += 1
-            values = None
+            values = None  # stays None unless both calls succeed
             try:
                 if not self._store_gone:
                     self._kv_set(self._key(self._me), f"{seq} {self._completed}")
                     values = {i: self._kv_try_get(self._key(i)) for i in self._peers}
             except Exception:  # noqa: BLE001 - the store is gone: the watchdog reports the chief
-                values = None
                 if self._me != 0 and self._store_refuses():
                     self._store_gone = True
             now = time.monotonic()
