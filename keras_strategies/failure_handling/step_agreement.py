@@ -16,6 +16,7 @@ cluster never stops the chief mid-write.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import time
@@ -47,6 +48,10 @@ class StepAgreement:
         if self._peers:
             self._thread = threading.Thread(target=self._watch_peers, name="ks-preemption-watcher", daemon=True)
             self._thread.start()
+            # The watcher calls into the backend's store client; a daemon thread still inside such a
+            # call while the interpreter finalizes aborts the process (JAX: "FATAL: exception not
+            # rethrown"), so it is stopped before that.
+            atexit.register(self.close)
 
     def _key(self, worker: int, suffix: str = "") -> str:
         return f"{self._prefix}/{worker}{suffix}"
@@ -111,4 +116,9 @@ class StepAgreement:
             self._wait_for({0: f"{self._prefix}/saved"}, "finish writing the preemption checkpoint")
 
     def close(self) -> None:
+        """Stops the watcher thread and waits for its store call in flight."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5 * _POLL_SECONDS)
+            atexit.unregister(self.close)

@@ -31,6 +31,7 @@ from keras_strategies.backend.common.loopback import host_of
 HEARTBEAT_INTERVAL = 1.0
 DEAD_AFTER = 10.0
 EXIT_GRACE = 3.0
+REFUSAL_WAIT = 2.0  # how long a failed collective looks for a dead chief's refused store port
 LEFT = "left"
 
 
@@ -110,15 +111,20 @@ class HealthMonitor:
         A dead chief is named at once (its store refuses connections); another lost peer is
         found by its heartbeats, which takes up to `dead_after` seconds.
         """
-        if self.error is None and self._me != 0 and (self._store_gone or self._store_refuses()):
-            self._store_gone = True
-            self.error = LostWorkerError(
-                f"Lost a worker during a cross-worker collective ({self._what}) on {self._describe_me()}: "
-                f"{self._cluster.describe(0)}, which hosts the cluster's store, refuses connections: it died. "
-                "Restart all workers (BackupAndRestore resumes from the last backup)."
-            )
-        deadline = time.monotonic() + self._dead_after + 2 * self._interval
+        started = time.monotonic()
+        deadline = started + self._dead_after + 2 * self._interval
         while self.error is None and time.monotonic() < deadline:
+            # A killed process closes its sockets one by one: the collective's may reset before
+            # the store's listening socket is gone, so the refusal is looked for a little while.
+            if self._me != 0 and time.monotonic() - started < REFUSAL_WAIT and (
+                    self._store_gone or self._store_refuses()):
+                self._store_gone = True
+                self.error = LostWorkerError(
+                    f"Lost a worker during a cross-worker collective ({self._what}) on {self._describe_me()}: "
+                    f"{self._cluster.describe(0)}, which hosts the cluster's store, refuses connections: it died. "
+                    "Restart all workers (BackupAndRestore resumes from the last backup)."
+                )
+                break
             time.sleep(0.1)
         self._in_flight_since = None
         self._failed_exit = True

@@ -3,6 +3,10 @@
 all-reduces do, over one in-memory store; over the engines' stores in
 tests/multi_worker/test_multi_worker_preemption.py)."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -64,3 +68,35 @@ def test_a_peer_that_never_acknowledges_fails_within_the_timeout_naming_it():
     with pytest.raises(LostWorkerError, match=r"worker 1 \(127.0.0.1:1\) did not acknowledge"):
         agreement.should_save(2, True)
     agreement.close()
+
+
+def test_the_watcher_finishes_its_store_call_before_the_interpreter_exits():
+    # A daemon thread still inside a backend's store call while the interpreter finalizes aborts
+    # the process on JAX; the watcher is stopped and waited for at exit.
+    program = textwrap.dedent("""
+        import time
+        from keras_strategies.failure_handling.step_agreement import StepAgreement
+        from keras_strategies.multi_worker.worker_cluster import WorkerCluster
+
+        def slow_get(key):
+            print("call", flush=True)
+            time.sleep(0.3)
+            print("returned", flush=True)
+
+        cluster = WorkerCluster(2, 0, "chief", 0, ("127.0.0.1:0", "127.0.0.1:1"), ("chief 0", "worker 1"),
+                                True, None, None)
+        agreement = StepAgreement(cluster, lambda key, value: None, slow_get, key_prefix="exit")
+        time.sleep(0.1)
+        print("exiting", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KERAS_BACKEND": os.environ.get("KERAS_BACKEND", "jax")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split()
+    assert lines[-1] == "returned" and lines.index("exiting") < len(lines) - 1, done.stdout
+
+
+def test_close_stops_the_watcher_thread():
+    agreement = StepAgreement(_cluster(2, 1), {}.__setitem__, {}.get, key_prefix="t4")
+    agreement.close()
+    assert not agreement._thread.is_alive()

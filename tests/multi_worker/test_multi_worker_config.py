@@ -302,6 +302,31 @@ def test_a_collective_failed_by_a_dead_chief_names_it_at_once_and_the_store_is_c
         monitor.stop()
 
 
+def test_a_dead_chief_is_named_at_once_also_when_its_store_port_closes_after_the_collective_failed():
+    # A killed process closes its sockets one by one: the collective may fail while the store's
+    # listening socket still accepts connections for a moment.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    spec = ks.ClusterSpec({"worker": [f"127.0.0.1:{port}", "127.0.0.1:2"]})
+    second = resolve(SimpleClusterResolver(spec, task_type="worker", task_id=1))
+    store = _Store()
+    monitor = HealthMonitor(second, store.set, store.try_get, timeout=60, dead_after=30, interval=0.1)
+    closer = threading.Timer(0.5, listener.close)
+    try:
+        monitor.begin("gradient all-reduce")
+        started = time.monotonic()
+        closer.start()
+        error = monitor.failed(RuntimeError("Connection reset by peer"))
+        assert time.monotonic() - started < 3
+        assert f"worker 0 (127.0.0.1:{port}), which hosts the cluster's store, refuses connections" in str(error)
+    finally:
+        closer.join()
+        listener.close()
+        monitor.stop()
+
+
 def test_watchdog_names_a_live_peer_that_never_joins_within_the_timeout():
     store = _Store()
     monitor = HealthMonitor(_two_workers(), store.set, store.try_get, timeout=1.0, dead_after=30, interval=0.1)

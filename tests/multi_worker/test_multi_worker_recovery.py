@@ -86,8 +86,12 @@ def test_a_killed_chief_fails_the_other_worker_within_20_seconds_naming_it_witho
     assert seconds <= LOST_WORKER_SECONDS, seconds
     message = worker_err.split("LostWorkerError")[-1]
     assert "worker 0 (127.0.0.1:" in message and "worker 1 (127.0.0.1:" in message, worker_err[-3000:]
-    for noise in ("Check failure", "Terminating process", "[c10d]", "Broken pipe"):
+    for noise in ("Check failure", "Terminating process"):
         assert noise not in worker_err, (noise, worker_err[-3000:])
+    # PyTorch warns with a C++ stack for each store call that fails: at most the one that was in
+    # flight when the chief died, none after its death is known.
+    store_warnings = [line for line in worker_err.splitlines() if "[c10d]" in line or "Broken pipe" in line]
+    assert len(store_warnings) <= 1, worker_err[-3000:]
 
 
 def _chief_after(tmp_path, phase, signal_line):
