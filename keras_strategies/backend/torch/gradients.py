@@ -1,4 +1,5 @@
-"""PyTorch gradients: `torch.autograd.grad` over fresh leaves for the trainable values."""
+"""PyTorch gradients: `torch.autograd.grad` over fresh leaves for the trainable values
+(`torch.func.grad` inside a vectorised replica program)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ import torch
 from keras import ops
 from keras.src import tree
 
+from keras_strategies.backend.torch import vectorized
+
 
 def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:
     """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`."""
 
     def wrapped(trainable, *args):
+        if vectorized.active():  # `torch.autograd.grad` cannot run inside `vmap`
+            # The other arguments are closed over, not passed: passed, they would be wrapped into new
+            # tensor objects (the loss hooks recognise the padding weight by identity).
+            objective_of = lambda leaves: fn(leaves, *args)  # noqa: E731
+            grads, (objective, aux) = torch.func.grad_and_value(objective_of, has_aux=True)(list(trainable))
+            return (objective, aux), list(grads)
         leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in trainable]
         objective, aux = fn(leaves, *args)
         differentiable = [leaf for leaf in leaves if leaf.requires_grad]

@@ -19,6 +19,8 @@ from typing import Any, Optional
 import torch
 from keras import ops
 
+from keras_strategies.backend.torch import vectorized
+
 _lock = threading.Lock()
 # id(wrapper) -> (wrapper, strategy, {replica_id: (copies by buffer name, weight)}), in first-use order.
 _pending: dict = {}
@@ -31,6 +33,8 @@ def replica_copies(wrapper: Any, replica_context: Any, rows: Optional[int]) -> d
     calls in the same run (a module used twice) continue from that replica's
     copies. `rows`: the rows of the replica's input when known, for its weight.
     """
+    if vectorized.active():  # copies per replica id, which a vectorised program does not have
+        raise vectorized.NotVectorizable("a wrapped torch module keeps buffers per replica")
     replica_id = replica_context.replica_id_in_sync_group
     with _lock:
         _, _, replicas = _pending.setdefault(id(wrapper), (wrapper, replica_context.strategy, {}))

@@ -15,7 +15,7 @@ import torch
 from keras.src import tree
 
 from keras_strategies.backend.common import replica_threads
-from keras_strategies.backend.torch import module_buffers, nccl
+from keras_strategies.backend.torch import module_buffers, nccl, vectorized
 from keras_strategies.backend.torch.devices import device_scope, torch_device
 
 # Replicas may have different shard sizes: each runs its own shard unpadded.
@@ -91,11 +91,19 @@ def global_sum(values: list, across_workers: Callable[[list], list], over_all_re
     global sum of the incoming gradients (synchronized BatchNormalization
     across workers). `across_workers` is not needed here.
     """
+    _only_in_threads("a sum across workers")
     return list(_GlobalSum.apply(over_all_replicas, *[torch.as_tensor(v) for v in values]))
+
+
+def _only_in_threads(what: str) -> None:
+    if vectorized.active():
+        raise vectorized.NotVectorizable(f"{what} needs the replicas in threads")
 
 
 def all_reduce_sum(value: Any) -> Any:
     """Sum of `value` over the replicas of the current run (inside a replica function)."""
+    if vectorized.active():
+        return vectorized.ReplicaSum.apply(torch.as_tensor(value))
     group, _ = replica_threads.current()
     if group is None or group.size == 1:
         return value
@@ -104,12 +112,14 @@ def all_reduce_sum(value: Any) -> Any:
 
 def all_gather(value: Any, axis: int) -> Any:
     """`value` of every replica concatenated along `axis` (shard sizes may differ)."""
+    _only_in_threads("all_gather")
     tensor = torch.as_tensor(value)
     return torch.cat([v.to(tensor.device) for v in replica_threads.exchange(tensor.detach())], dim=axis)
 
 
 def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     """`fn(values of every replica)` once, its result returned to every replica."""
+    _only_in_threads("merge_call")
     return replica_threads.merge_call(fn, value)
 
 
@@ -159,7 +169,10 @@ def replica_device_scope(replica_id: int, devices: Sequence[str]) -> contextlib.
 
     Keras on PyTorch keeps its device in the state that a step carries into the
     replica threads (there: the first device, from the strategy's scope).
+    Vectorised replicas share one device, where the step already is.
     """
+    if vectorized.active():
+        return contextlib.nullcontext()
     device = devices[replica_id]
     return contextlib.nullcontext() if torch_device(device) == "cpu" else device_scope(device)
 
@@ -177,6 +190,8 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
     """`run(shared, per_replica)` calls `fn(replica_id, *shared, *per_replica[i])` on every replica.
 
     `variables`: the trainable ones get a private `.grad` per replica.
+    Compiled (Keras' own stateless steps): replicas that share one physical
+    device run as one vectorised program where the step allows it (`vectorized.py`).
     """
     parameters = [v.value for v in variables if v.trainable and isinstance(v.value, torch.Tensor)]
 
@@ -197,4 +212,6 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         module_buffers.combine()  # wrapped torch modules' buffers, from the replicas' copies
         return results
 
+    if compiled and len(devices) > 1 and len({torch_device(d) for d in devices}) == 1:
+        return vectorized.Vectorized(fn, len(devices), run)
     return run
