@@ -69,11 +69,13 @@ class MirroredExtended(StrategyExtended):
                 "strategy.run or a Keras step of this strategy."
             )
 
-        def reduce_one(leaf):
-            total = engine.replicas.all_reduce_sum(leaf)
-            return total / len(self._devices) if reduce_op == ReduceOp.MEAN else total
-
-        return map_structure(reduce_one, value)
+        leaves: list = []
+        map_structure(leaves.append, value)
+        totals = engine.replicas.all_reduce_sums(leaves)  # one call: cheaper on some engines than one per leaf
+        if reduce_op == ReduceOp.MEAN:
+            totals = [total / len(self._devices) for total in totals]
+        found = iter(totals)
+        return map_structure(lambda _: next(found), value)
 
     def _all_reduce(self, replica_context, reduce_op, value):
         return self._local_all_reduce(replica_context, reduce_op, value)

@@ -191,6 +191,11 @@ def global_sum(values: list, across_workers: Callable[[list], list], over_all_re
     return list(total(*[jnp.asarray(v) for v in values]))
 
 
+def all_reduce_sums(values: list) -> list:
+    """`all_reduce_sum` of each of `values`."""
+    return [all_reduce_sum(value) for value in values]
+
+
 def all_gather(value: Any, axis: int) -> Any:
     """`value` of every replica concatenated along `axis` (equal shapes in a compiled program)."""
     if _in_replica_program["active"]:

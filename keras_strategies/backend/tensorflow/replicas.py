@@ -104,6 +104,11 @@ def _with_sum_gradient(total: Callable[[list], list], tensors: list) -> list:
     return list(summed(*tensors))
 
 
+def all_reduce_sums(values: list) -> list:
+    """`all_reduce_sum` of each of `values`."""
+    return [all_reduce_sum(value) for value in values]
+
+
 def all_gather(value: Any, axis: int) -> Any:
     """`value` of every replica concatenated along `axis` (shard sizes may differ)."""
     context = tf.distribute.get_replica_context()

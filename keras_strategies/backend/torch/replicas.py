@@ -103,11 +103,18 @@ def _only_in_threads(what: str) -> None:
 def all_reduce_sum(value: Any) -> Any:
     """Sum of `value` over the replicas of the current run (inside a replica function)."""
     if vectorized.active():
-        return vectorized.ReplicaSum.apply(torch.as_tensor(value))
+        return vectorized.replica_sums([value])[0]
     group, _ = replica_threads.current()
     if group is None or group.size == 1:
         return value
     return _AllReduceSum.apply(torch.as_tensor(value))
+
+
+def all_reduce_sums(values: list) -> list:
+    """`all_reduce_sum` of each of `values` (in one call where replicas are vectorised)."""
+    if vectorized.active():
+        return vectorized.replica_sums(values)
+    return [all_reduce_sum(value) for value in values]
 
 
 def all_gather(value: Any, axis: int) -> Any:

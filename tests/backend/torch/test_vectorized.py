@@ -53,13 +53,13 @@ def test_the_sum_over_replicas_and_its_gradient_are_those_of_separate_replicas()
     xs = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
 
     def replica(w, x):
-        total = vectorized.ReplicaSum.apply(w * x)  # the same sum on every replica
-        return (total * total).sum() * x[0]
+        total, squares = vectorized.ReplicaSum.apply(w * x, (w * x) ** 2)  # the same sums on every replica
+        return (total * total).sum() * x[0] + squares.sum()
 
     grads = torch.func.vmap(torch.func.grad(replica), in_dims=(None, 0))(w, xs)
     leaf = w.clone().requires_grad_()
-    total = (leaf * xs).sum(0)
-    objective = sum((total * total).sum() * xs[i, 0] for i in range(3))
+    total, squares = (leaf * xs).sum(0), ((leaf * xs) ** 2).sum(0)
+    objective = sum((total * total).sum() * xs[i, 0] + squares.sum() for i in range(3))
     np.testing.assert_allclose(grads.sum(0).numpy(), torch.autograd.grad(objective, leaf)[0].numpy(), rtol=1e-6)
 
 
