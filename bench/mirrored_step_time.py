@@ -1,9 +1,12 @@
 """Step-time benchmark: `ks.MirroredStrategy` next to plain Keras and the native baselines,
 and `ks.CentralStorageStrategy` next to `ks.MirroredStrategy`.
 
-Runs the same model (an MLP: 64 features -> 3 x Dense(256, relu) -> Dense(10)),
-the same NumPy data and the same global batch (256) through `model.fit` in
-several configurations and prints a Markdown table of median ms/step ratios:
+Runs the same model, the same NumPy data and the same global batch through
+`model.fit` in several configurations and prints Markdown tables of median
+ms/step ratios, for each model of `--models`: an MLP (64 features -> 3 x
+Dense(256, relu) -> Dense(10), global batch 256) and a small CNN (28x28x1
+images -> Conv2D(16, 3) -> MaxPool -> Conv2D(32, 3) -> MaxPool -> Dense(10),
+global batch 128):
 
 1. `ks.MirroredStrategy(devices=["cpu:0"])` vs plain Keras `fit` (no strategy),
    on TensorFlow, JAX and PyTorch.
@@ -70,7 +73,18 @@ MULTI_DEVICE_PLAIN_TARGET = 2.0
 FEATURES = 64
 HIDDEN = 256
 CLASSES = 10
-GLOBAL_BATCH = 256
+IMAGE = 28
+# The model measured (`--model`): the MLP above, or a small CNN on 28x28 images (two Conv2D + Dense).
+MODEL = {"name": "mlp"}
+GLOBAL_BATCHES = {"mlp": 256, "cnn": 128}
+MODEL_DESCRIPTIONS = {
+    "mlp": f"MLP {FEATURES}->{HIDDEN}x3->{CLASSES}",
+    "cnn": f"CNN {IMAGE}x{IMAGE}x1 -> Conv2D(16, 3) -> MaxPool -> Conv2D(32, 3) -> MaxPool -> Dense({CLASSES})",
+}
+
+
+def global_batch() -> int:
+    return GLOBAL_BATCHES[MODEL["name"]]
 
 # mode -> human-readable name
 MODE_NAMES = {
@@ -150,23 +164,34 @@ def _make_data(steps: int):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    n = steps * GLOBAL_BATCH
-    x = rng.normal(size=(n, FEATURES)).astype("float32")
-    w = rng.normal(size=(FEATURES, CLASSES)).astype("float32")
-    y = np.argmax(x @ w + 0.5 * rng.normal(size=(n, CLASSES)), axis=1).astype("int32")
+    n = steps * global_batch()
+    shape = (IMAGE, IMAGE, 1) if MODEL["name"] == "cnn" else (FEATURES,)
+    x = rng.normal(size=(n,) + shape).astype("float32")
+    w = rng.normal(size=(int(np.prod(shape)), CLASSES)).astype("float32")
+    y = np.argmax(x.reshape(n, -1) @ w + 0.5 * rng.normal(size=(n, CLASSES)), axis=1).astype("int32")
     return x, y
 
 
 def _build_model(keras):
-    model = keras.Sequential(
-        [
+    if MODEL["name"] == "cnn":
+        layers = [
+            keras.Input((IMAGE, IMAGE, 1)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(CLASSES),
+        ]
+    else:
+        layers = [
             keras.Input((FEATURES,)),
             keras.layers.Dense(HIDDEN, activation="relu"),
             keras.layers.Dense(HIDDEN, activation="relu"),
             keras.layers.Dense(HIDDEN, activation="relu"),
             keras.layers.Dense(CLASSES),
         ]
-    )
+    model = keras.Sequential(layers)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -208,7 +233,7 @@ def _model_under_mode(keras, backend: str, devices: int, mode: str):
         cpu = jax.devices("cpu")
         if len(cpu) != devices:
             raise SystemExit(f"JAX has {len(cpu)} CPU devices, wanted {devices}")
-        if GLOBAL_BATCH % devices:
+        if global_batch() % devices:
             raise SystemExit(f"DataParallel needs a batch divisible by {devices}")
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=cpu))
         return _build_model(keras), f"DataParallel over {len(cpu)} JAX CPU devices"
@@ -222,6 +247,7 @@ def run_worker(args) -> None:
         sys.path.insert(0, os.path.abspath(args.source))
     os.environ["KERAS_BACKEND"] = args.backend
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    MODEL["name"] = args.model
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
     _limit_threads(args.backend, args.threads)
@@ -259,7 +285,7 @@ def run_worker(args) -> None:
     imported = time.perf_counter()
     rss_before_fit = _peak_rss_mb()
     history = model.fit(
-        x, y, batch_size=GLOBAL_BATCH, epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[timer]
+        x, y, batch_size=global_batch(), epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[timer]
     )
     peak_rss = _peak_rss_mb()  # before the breakdown and the profile, which run more steps
     step_ms, cycle_ms = [], []
@@ -270,6 +296,7 @@ def run_worker(args) -> None:
     warmup_ms = [1e3 * (e - b) for b, e in zip(timer.begin[0], timer.end[0])]
     result = {
         "backend": args.backend,
+        "model": args.model,
         "devices": args.devices,
         "mode": args.mode,
         "setup": setup,
@@ -389,7 +416,7 @@ def _breakdown(model, backend: str, steps: int) -> dict:
     holder_original = holder.__dict__.get("train_step")
     object.__setattr__(holder, "train_step", outer)
     try:
-        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=global_batch(), epochs=1, shuffle=False, verbose=0)
     finally:
         if shards_cls is not None:
             module.Shards = shards_cls
@@ -417,7 +444,7 @@ def _profile(model, steps: int) -> None:
     x, y = _make_data(steps)
     profiler = cProfile.Profile()
     profiler.enable()
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=global_batch(), epochs=1, shuffle=False, verbose=0)
     profiler.disable()
     for sort in ("cumulative", "tottime"):
         out = io.StringIO()
@@ -466,7 +493,7 @@ def spawn(backend: str, devices: int, mode: str, steps: int, epochs: int, thread
     cmd = [
         sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend,
         "--devices", str(devices), "--mode", mode, "--steps", str(steps), "--epochs", str(epochs),
-        "--threads", str(threads), "--breakdown", str(breakdown if mode == "ks" else 0),
+        "--threads", str(threads), "--breakdown", str(breakdown if mode == "ks" else 0), "--model", MODEL["name"],
     ] + (["--source", source] if source and mode.startswith("ks") else [])
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)
@@ -515,6 +542,22 @@ def _fmt(value) -> str:
 
 
 def run_parent(args) -> int:
+    """Every `--models` model in turn, each with its tables."""
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in GLOBAL_BATCHES]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; choose from {sorted(GLOBAL_BATCHES)}")
+    failed = 0
+    for index, model in enumerate(models):
+        MODEL["name"] = model
+        if len(models) > 1:
+            print(f"{'' if index == 0 else chr(10)}### {MODEL_DESCRIPTIONS[model]}\n", flush=True)
+        # The smoke run measures the second model in its multi-device comparison only.
+        failed |= run_model(args, smoke_mirrored_only=args.smoke and index > 0)
+    return failed
+
+
+def run_model(args, smoke_mirrored_only: bool = False) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -527,6 +570,8 @@ def run_parent(args) -> int:
     pairs = [p for p in comparisons(backends, device_counts) if args.compare in ("all", COMPARE_OF[p[2]])]
     if args.smoke:
         pairs = smoke_pairs(pairs)
+        if smoke_mirrored_only:
+            pairs = [pair for pair in pairs if pair[2] == "ks"]
     if not pairs:
         raise SystemExit("nothing to run for these --backends / --devices")
 
@@ -598,7 +643,7 @@ def run_parent(args) -> int:
         )
 
     per_run = steps * epochs
-    print(f"MLP {FEATURES}->{HIDDEN}x3->{CLASSES}, Adam, sparse CE + accuracy, global batch {GLOBAL_BATCH}, "
+    print(f"{MODEL_DESCRIPTIONS[MODEL['name']]}, Adam, sparse CE + accuracy, global batch {global_batch()}, "
           f"median of {per_run} steps per run (warm-up epoch excluded), {args.repeats} run(s) per cell "
           f"(ms/step: median over runs; ratio: median of back-to-back run ratios, range in brackets), "
           f"intra-op threads {args.threads or 'backend default'}, "
@@ -702,13 +747,17 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", default="1,2,4",
                         help="parent: comma-separated device counts (default 1,2,4); worker: one count")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="parent: comma-separated backends")
+    parser.add_argument("--models", default="mlp,cnn",
+                        help="parent: comma-separated models, each with its tables (mlp: global batch 256; "
+                             "cnn: 28x28 images, global batch 128; default both)")
+    parser.add_argument("--model", choices=sorted(GLOBAL_BATCHES), default="mlp", help="worker: the model")
     parser.add_argument("--steps", type=int, default=50, help="steps per epoch (default 50)")
     parser.add_argument("--epochs", type=int, default=2, help="measured epochs after the warm-up epoch (default 2)")
     parser.add_argument("--quick", action="store_true", help="parent: 10 steps x 1 measured epoch")
     parser.add_argument("--smoke", action="store_true",
                         help="parent: every code path with tiny sizes, for the test suite (numbers mean nothing): "
-                             "2 steps, 1 run, per backend one comparison on 2 devices (PyTorch: 1 device) "
-                             "and CentralStorage against Mirrored on them")
+                             "2 steps, 1 run, per backend and model one comparison on 2 devices, "
+                             "and for the first model CentralStorage against Mirrored on them")
     parser.add_argument("--compare", choices=("all", "mirrored", "central"), default="all",
                         help="parent: which comparisons: ks.MirroredStrategy against plain Keras and the native "
                              "strategies (mirrored), ks.CentralStorageStrategy against ks.MirroredStrategy "

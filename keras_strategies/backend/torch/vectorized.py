@@ -16,19 +16,20 @@ step then runs in replica threads from then on, with the same results.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 from keras.src import tree
 
-_state = {"active": False}
+_state = threading.local()  # `active`: this thread runs a vectorised program (vmap runs in the caller's thread)
 _TENSOR = object()  # marks where a replica's output has a tensor
 
 
 def active() -> bool:
     """Whether the caller runs inside a vectorised replica program."""
-    return _state["active"]
+    return getattr(_state, "active", False)
 
 
 class NotVectorizable(RuntimeError):
@@ -119,11 +120,11 @@ class Vectorized:
             traced.update(structure=outputs, leaves=[_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in found])
             return tuple(leaf for leaf in found if isinstance(leaf, torch.Tensor))
 
-        _state["active"] = True
+        _state.active = True
         try:
             results = torch.func.vmap(replica)(torch.arange(self._size), *[stacked[i] for i in arguments])
         finally:
-            _state["active"] = False
+            _state.active = False
         per_replica = [list(torch.unbind(leaf)) for leaf in results]
         outputs = []
         for i in range(self._size):
