@@ -28,6 +28,7 @@ original as `_ks_original`.
 | `backend.tensorflow.optimizer.TFOptimizer` update methods, `LossScaleOptimizer._tf_apply` | TensorFlow engine (`backend/tensorflow/keras_hooks.py`) | the summed update is applied in TF's cross-replica context |
 | `backend.tensorflow.core.Variable.assign_add`, `assign_sub`, `__array__`, `TFOptimizer._distributed_tf_update_step` (and its `add_variable_from_reference` again) | TensorFlow engine (`backend/tensorflow/parameter_server.py`) | `ParameterServerStrategy`: increments are atomic on the parameter server; a variable split by a partitioner reads, updates and gets slots as one |
 | `utils.torch_utils.TorchModuleWrapper.call` | PyTorch engine (`backend/torch/keras_hooks.py`) | a wrapped `torch.nn.Module` runs on the replica's values of its parameters |
+| `backend.torch.nn._maybe_convert_to_channels_last` | PyTorch engine (`backend/torch/keras_hooks.py`) | no memory-layout conversion inside a vectorised replica program, which `vmap` cannot make (the layout changes speed, not values) |
 
 Besides these, a `ParameterServerStrategy` with a partitioner replaces TensorFlow's
 `tf.GradientTape.gradient` (a split Keras variable gets one gradient, put together from its

@@ -1,8 +1,13 @@
-"""The Keras methods this engine replaces: `TorchModuleWrapper.call` in replica steps.
+"""The Keras functions this engine replaces: `TorchModuleWrapper.call` in replica steps, and
+the channels-last layout conversion of convolutions in vectorised replica programs.
 
 Replicas run the model statelessly (`stateless_call`), which a wrapped
 `torch.nn.Module` ignores: it would compute with, and never train, its own
-parameters. Listed with the other replacements in `keras_strategies.keras_integration`.
+parameters. Keras' convolutions ask for a channels-last memory layout
+(`Tensor.contiguous(memory_format=...)`), which `torch.func.vmap` does not
+support (torch 2.13); the layout changes speed, never values, so inside a
+vectorised program the tensor stays as it is. Listed with the other
+replacements in `keras_strategies.keras_integration`.
 """
 
 from __future__ import annotations
@@ -12,15 +17,27 @@ from typing import Any, Callable
 
 import torch
 from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.backend.torch import nn as keras_torch_nn
 from keras.src.utils.torch_utils import TorchModuleWrapper
 
-from keras_strategies.backend.torch import module_buffers
+from keras_strategies.backend.torch import module_buffers, vectorized
 
 # (Keras method, why), for the table of `keras_strategies.keras_integration`.
 REPLACED = (
     ("keras.src.utils.torch_utils.TorchModuleWrapper.call",
      "a wrapped torch.nn.Module runs on the replica's values of its parameters and buffers"),
+    ("keras.src.backend.torch.nn._maybe_convert_to_channels_last",
+     "no layout conversion inside a vectorised replica program (vmap cannot make one)"),
 )
+
+
+def _wrap_channels_last(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def convert(tensor):
+        return tensor if vectorized.active() else original(tensor)
+
+    convert._ks_original = original
+    return convert
 
 
 def _wrap_torch_module_call(original: Callable, strategy_context: Any) -> Callable:
@@ -60,3 +77,6 @@ def install(strategy_context: Any) -> None:
     if hasattr(TorchModuleWrapper.call, "_ks_original"):
         return
     TorchModuleWrapper.call = _wrap_torch_module_call(TorchModuleWrapper.call, strategy_context)
+    if hasattr(keras_torch_nn, "_maybe_convert_to_channels_last"):  # Keras versions that convert
+        keras_torch_nn._maybe_convert_to_channels_last = _wrap_channels_last(
+            keras_torch_nn._maybe_convert_to_channels_last)

@@ -74,6 +74,24 @@ def test_uneven_and_partial_batches_take_replica_threads_and_equal_one_device():
     assert _train_runner(model).fallback_reason is None
 
 
+def _cnn():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, activation="relu"), keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(4, 3, padding="same"), keras.layers.Flatten(), keras.layers.Dense(1),
+    ])
+    model.compile(loss="mse", optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
+def test_convolutions_after_pooling_train_vectorised_and_equal_one_device():
+    # Keras asks for a channels-last memory layout before a convolution, which vmap cannot make.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8, 8, 1)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    model = assert_same_training(_cnn, x, y, batch_size=8, replicas=4)
+    assert _train_runner(model).fallback_reason is None
+
+
 def test_batch_normalization_keeps_per_replica_statistics_as_replica_threads_do():
     x, y = regression_data(16)
     results = {}
