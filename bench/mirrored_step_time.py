@@ -77,6 +77,7 @@ IMAGE = 28
 # The model measured (`--model`): the MLP above, or a small CNN on 28x28 images (two Conv2D + Dense).
 MODEL = {"name": "mlp"}
 GLOBAL_BATCHES = {"mlp": 256, "cnn": 128}
+GLOBAL_BATCH = GLOBAL_BATCHES["mlp"]  # the MLP's, which the other bench scripts measure
 MODEL_DESCRIPTIONS = {
     "mlp": f"MLP {FEATURES}->{HIDDEN}x3->{CLASSES}",
     "cnn": f"CNN {IMAGE}x{IMAGE}x1 -> Conv2D(16, 3) -> MaxPool -> Conv2D(32, 3) -> MaxPool -> Dense({CLASSES})",
