@@ -33,8 +33,7 @@ def replica_copies(wrapper: Any, replica_context: Any, rows: Optional[int]) -> d
     calls in the same run (a module used twice) continue from that replica's
     copies. `rows`: the rows of the replica's input when known, for its weight.
     """
-    if vectorized.active():  # copies per replica id, which a vectorised program does not have
-        raise vectorized.NotVectorizable("a wrapped torch module keeps buffers per replica")
+    vectorized.only_in_threads("a wrapped torch module's buffers, kept per replica id,")
     replica_id = replica_context.replica_id_in_sync_group
     with _lock:
         _, _, replicas = _pending.setdefault(id(wrapper), (wrapper, replica_context.strategy, {}))

@@ -91,13 +91,8 @@ def global_sum(values: list, across_workers: Callable[[list], list], over_all_re
     global sum of the incoming gradients (synchronized BatchNormalization
     across workers). `across_workers` is not needed here.
     """
-    _only_in_threads("a sum across workers")
+    vectorized.only_in_threads("a sum across workers")
     return list(_GlobalSum.apply(over_all_replicas, *[torch.as_tensor(v) for v in values]))
-
-
-def _only_in_threads(what: str) -> None:
-    if vectorized.active():
-        raise vectorized.NotVectorizable(f"{what} needs the replicas in threads")
 
 
 def all_reduce_sum(value: Any) -> Any:
@@ -119,14 +114,14 @@ def all_reduce_sums(values: list) -> list:
 
 def all_gather(value: Any, axis: int) -> Any:
     """`value` of every replica concatenated along `axis` (shard sizes may differ)."""
-    _only_in_threads("all_gather")
+    vectorized.only_in_threads("all_gather")
     tensor = torch.as_tensor(value)
     return torch.cat([v.to(tensor.device) for v in replica_threads.exchange(tensor.detach())], dim=axis)
 
 
 def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
     """`fn(values of every replica)` once, its result returned to every replica."""
-    _only_in_threads("merge_call")
+    vectorized.only_in_threads("merge_call")
     return replica_threads.merge_call(fn, value)
 
 

@@ -36,6 +36,12 @@ class NotVectorizable(RuntimeError):
     """Raised inside a vectorised program by what only replica threads can do."""
 
 
+def only_in_threads(what: str) -> None:
+    """Sends the step to replica threads when `what` is asked for inside a vectorised program."""
+    if active():
+        raise NotVectorizable(f"{what} needs the replicas in threads")
+
+
 class ReplicaSum(torch.autograd.Function):
     """Sums over the replica axis, broadcast back to every replica; differentiable.
 
