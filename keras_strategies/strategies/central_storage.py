@@ -13,6 +13,8 @@ from keras_strategies.strategies.mirrored import MirroredExtended
 class CentralStorageExtended(MirroredExtended):
     """Mirrored's replica steps; the variables, the reduced gradients and the update on one device."""
 
+    _replicas_keep_copies = False
+
     def __init__(self, container, compute_devices: Sequence[str], parameter_device: str):
         super().__init__(container, compute_devices, cross_device_ops=None)
         self._parameter_device = parameter_device

@@ -16,6 +16,10 @@ from keras_strategies.distribute.strategy import Strategy, StrategyExtended
 
 
 class MirroredExtended(StrategyExtended):
+    # Every replica may keep a copy of each variable (a compiled Keras step on JAX keeps them on
+    # the replicas' devices between steps); CentralStorage keeps one copy, on its parameter device.
+    _replicas_keep_copies = True
+
     def __init__(self, container, devices: Sequence[str], cross_device_ops: Optional[CrossDeviceOps]):
         super().__init__(container, devices, place_variables=True)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):

@@ -8,6 +8,7 @@ NumPy batches, and hand each batch to a `ReplicaStep`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -42,6 +43,7 @@ class _Steps:
         for kind in ("train", "test", "predict"):
             runner = custom if overrides_step(model, kind) else standard
             setattr(self, f"{kind}_step", getattr(runner, f"{kind}_step"))
+        self.settle = standard.settle
 
 
 def replica_step(model: Any, strategy: Any) -> _Steps:
@@ -379,11 +381,29 @@ def predict_on_batch(model, strategy, x):
     return tree.map_structure(keras_backend.convert_to_numpy, outputs)
 
 
+def _settling(loop: Any) -> Any:
+    """`loop`, after which the model's variables are where eager code expects them, also when it
+    raised (see `ReplicaStep.settle`)."""
+
+    @functools.wraps(loop)
+    def run(model: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return loop(model, strategy, *args, **kwargs)
+        finally:
+            step = getattr(model, _STEP_ATTR, None)
+            if step is not None:
+                step.settle()
+
+    return run
+
+
 LOOPS = {
-    "fit": fit,
-    "evaluate": evaluate,
-    "predict": predict,
-    "train_on_batch": train_on_batch,
-    "test_on_batch": test_on_batch,
-    "predict_on_batch": predict_on_batch,
+    name: _settling(loop) for name, loop in {
+        "fit": fit,
+        "evaluate": evaluate,
+        "predict": predict,
+        "train_on_batch": train_on_batch,
+        "test_on_batch": test_on_batch,
+        "predict_on_batch": predict_on_batch,
+    }.items()
 }

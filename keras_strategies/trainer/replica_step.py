@@ -357,10 +357,16 @@ class ReplicaStep:
     def _global_batch(self, shards: Shards) -> tuple:
         """`(rows, x, y, sample_weight)` of the global batch as tensors on the host device
         (user metrics may mix them with tensors)."""
+        return self._batch_tensors(self._batch_arrays(shards))
+
+    def _batch_arrays(self, shards: Shards) -> tuple:
+        """`(rows, x, y, sample_weight)` of the global batch as they were read (NumPy): what a
+        step compiled as a whole takes, to send to its devices in one transfer."""
+        return (np.array(float(shards.batch), "float32"), shards.x, shards.y, shards.sample_weight)
+
+    def _batch_tensors(self, batch: tuple) -> tuple:
         with engine.devices.device_scope(self.host):
-            return (ops.convert_to_tensor(float(shards.batch), "float32"),) + as_tensors(
-                (shards.x, shards.y, shards.sample_weight)
-            )
+            return as_tensors(batch)
 
     def _update_metrics(self, batch: tuple, loss: Any, predictions: Any) -> dict:
         """Updates the metrics once on the global batch (`_global_batch`), compiled as in Keras'
@@ -453,8 +459,26 @@ class ReplicaStep:
         """`_train_and_update` or `_test_and_measure`, compiled as a whole on first use."""
         if kind not in self._compiled_steps:
             function = self._train_and_update if kind == "train" else self._test_and_measure
-            self._compiled_steps[kind] = engine.compiler.compile_replicated_step(function)
+            self._compiled_steps[kind] = engine.compiler.compile_replicated_step(
+                function, self._step_variables(), self.devices,
+                getattr(self.strategy.extended, "_replicas_keep_copies", False),
+            )
         return self._compiled_steps[kind]
+
+    def _step_variables(self) -> list:
+        """Every variable a whole step reads or assigns: the model's, the optimizer's, the metrics'."""
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+        variables += list(optimizer.variables) if optimizer is not None else []
+        seen: set = set()
+        return [v for v in variables + list(model.metrics_variables) if not (id(v) in seen or seen.add(id(v)))]
+
+    def settle(self) -> None:
+        """Brings the variables back to the host device if a whole compiled step left them on the
+        replicas' devices (JAX keeps them there between steps): for eager code after a loop."""
+        if self._compiled_steps:
+            engine.compiler.settle(self._step_variables(), self.host)
 
     def _train_and_update(self, per_replica: list, batch: tuple, sizes: tuple) -> tuple:
         """The train step after the batch is cut, one worker: the replica program (gradients summed
@@ -467,7 +491,7 @@ class ReplicaStep:
         outputs = self._train(self._state(), per_replica)
         grads, loss = self._sums_of_first_replica(outputs)
         predictions = self._global_predictions(sizes, [aux[1] for _, aux in outputs])
-        logs = self._apply_and_measure(grads, loss, predictions, batch)
+        logs = self._apply_and_measure(grads, loss, predictions, self._batch_tensors(batch))
         return logs, [outputs[i][1][2] for i in replicas_with_rows(sizes)]
 
     def _sums_of_first_replica(self, outputs: list) -> tuple:
@@ -493,10 +517,11 @@ class ReplicaStep:
             if not model.optimizer.built:  # no variables are created inside a compiled step
                 model.optimizer.build(model.trainable_variables)
             logs, non_trainable = self._compiled_step("train")(
-                self._per_replica(shards, loss_scale), self._global_batch(shards), tuple(shards.sizes)
+                self._per_replica(shards, loss_scale), self._batch_arrays(shards), tuple(shards.sizes)
             )
             self._assign_non_trainable(non_trainable)
             return logs
+        self.settle()
         outputs = self._run_on_replicas("train", shards, loss_scale, full_batch)
         if self.reduce_in_program:
             grads, loss = self._sums_of_first_replica(outputs)
@@ -522,12 +547,13 @@ class ReplicaStep:
         in it), the global predictions and the metric update (see `_train_and_update`)."""
         outputs = self._test(self._state(), per_replica)
         loss = self._on_host(outputs[0][0])  # summed in the replica program
-        return self._update_metrics(batch, loss, self._global_predictions(sizes, [aux[1] for aux in outputs]))
+        return self._update_metrics(self._batch_tensors(batch), loss, self._global_predictions(sizes, [aux[1] for aux in outputs]))
 
     def test_step(self, data: Any, stop_asked: bool = False) -> Any:
         shards = self._shards(data, "test")
         if self._one_program("test", shards):
-            return self._compiled_step("test")(self._per_replica(shards, 1.0), self._global_batch(shards), tuple(shards.sizes))
+            return self._compiled_step("test")(self._per_replica(shards, 1.0), self._batch_arrays(shards), tuple(shards.sizes))
+        self.settle()
         outputs = self._run_on_replicas("test", shards, 1.0)
         if self.reduce_in_program:
             loss = self._on_host(outputs[0][0])
@@ -546,6 +572,7 @@ class ReplicaStep:
     def predict_step(self, data: Any, stop_asked: bool = False) -> Any:
         shards = self._shards(data, "predict")
         per_replica = [(x, mask) for x, _, _, mask in shards.per_replica]
+        self.settle()
         outputs = self._predict(self._state(with_metrics=False), per_replica)
         if self.num_workers > 1:
             exchanged = self._exchange(shards, [], None, outputs, stop_asked=stop_asked)

@@ -60,9 +60,12 @@ def device_of(value: Any) -> str:
 
 def copy_to(value: Any, name: str) -> Any:
     """Array `value` on device `name`: itself when it is there already (JAX arrays are
-    immutable, and a `device_put` that moves nothing still costs a dispatch)."""
+    immutable, and a `device_put` that moves nothing still costs a dispatch). A traced value
+    stays as it is: inside a compiled program its placement is the compiler's."""
+    if isinstance(value, jax.core.Tracer):
+        return value
     device = jax_device(name)
-    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.is_fully_addressable:
+    if isinstance(value, jax.Array) and value.is_fully_addressable:
         if value.sharding.device_set == {device}:
             return value
     return jax.device_put(value, device)

@@ -115,11 +115,21 @@ def _concrete(leaves: Sequence[Any]) -> list:
     return list(leaves)
 
 
+def _program_sums(values: list) -> list:
+    """`psum` of `values` in one collective; inside a step compiled as a whole, the results are
+    noted as the same on every device (`make_replicated` then gathers none of them)."""
+    totals = jax.lax.psum(list(values), AXIS)
+    shared = _in_replica_program.get("shared")
+    if shared is not None:
+        shared.update(id(total) for total in totals)
+    return totals
+
+
 def all_reduce_sum(value: Any) -> Any:
     """Sum of `value` over the replicas: `psum` in a compiled program, an exchange between
     eager replica threads otherwise; differentiable in both."""
     if _in_replica_program["active"]:
-        return jax.lax.psum(value, AXIS)
+        return _program_sums([value])[0]
     if replica_threads.current()[0] is None:
         return value
     return _differentiated_eagerly(_thread_sum, [value])[0]
@@ -192,7 +202,9 @@ def global_sum(values: list, across_workers: Callable[[list], list], over_all_re
 
 
 def all_reduce_sums(values: list) -> list:
-    """`all_reduce_sum` of each of `values`."""
+    """`all_reduce_sum` of each of `values` (one collective in a compiled program)."""
+    if _in_replica_program["active"]:
+        return _program_sums(values)
     return [all_reduce_sum(value) for value in values]
 
 
@@ -253,7 +265,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
             )
 
         return run_eagerly
-    mesh = Mesh(np.array([jax_device(d) for d in devices]), (AXIS,))
+    mesh = mesh_of(devices)
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
 
     # Each device's block of an output is its replica's value as it is, so that reading it back
@@ -263,8 +275,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
     scalar_flags: dict = {}
     count = len(devices)
 
-    def body(layout, treedef, buffers, stacked):
-        shared = jax.tree_util.tree_unflatten(treedef, shared_state.unpack(buffers, layout))
+    def replica_body(shared, stacked):
         own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], stacked)
         _in_replica_program.update(active=True, devices=len(devices))
         try:
@@ -280,6 +291,10 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         scalar_flags[global_shapes] = scalars
         return tree.pack_sequence_as(outputs, blocks)
 
+    def body(layout, treedef, buffers, stacked):
+        shared = jax.tree_util.tree_unflatten(treedef, shared_state.unpack(buffers, layout))
+        return replica_body(shared, stacked)
+
     programs: dict = {}  # (layout, treedef) of the shared state -> its program
 
     def program_for(layout: tuple, treedef: Any) -> Callable:
@@ -289,21 +304,45 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
             programs[layout, treedef] = jax.jit(program)
         return programs[layout, treedef]
 
+    def scalars_of(leaves: list) -> list:
+        return scalar_flags[tuple(None if leaf is None else tuple(leaf.shape) for leaf in leaves)]
+
+    def run_in_step(shared: tuple, shards: StackedShards) -> list:
+        # Inside a step compiled as a whole (`compiler.compile_replicated_step`), which runs on
+        # each device of the mesh: this device's replica runs inline, and each output is given to
+        # every replica's entry as the replica sum left it (the same on every device) or gathered.
+        own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], shards.stacked)
+        _in_replica_program.update(active=True, devices=count, shared=set())
+        try:
+            outputs = fn(jax.lax.axis_index(AXIS), *shared, *own)
+        finally:
+            _in_replica_program["active"] = False
+            shared_ids = _in_replica_program.pop("shared")
+        per_replica: list = [[] for _ in devices]
+        for leaf in tree.flatten(outputs):
+            if leaf is None or id(leaf) in shared_ids:
+                copies = [leaf] * count
+            else:
+                gathered = jax.lax.all_gather(leaf, AXIS)
+                copies = [gathered[i] for i in range(count)]
+            for values, copy in zip(per_replica, copies):
+                values.append(copy)
+        return [tree.pack_sequence_as(outputs, values) for values in per_replica]
+
     host = mesh.devices.flat[0]
 
     def run(shared: tuple, per_replica: Sequence[tuple]) -> list:
-        stacked = tree.map_structure(
-            lambda *leaves: None if leaves[0] is None else np.stack([np.asarray(l) for l in leaves]), *per_replica
-        )
+        if isinstance(per_replica, StackedShards):
+            return run_in_step(shared, per_replica)
+        stacked = stack(per_replica)
         leaves, treedef = jax.tree_util.tree_flatten(tuple(shared))
         layout = shared_state.layout_of(leaves)
         # One transfer for the batch and the state: a `device_put` per array costs a dispatch each.
         buffers, stacked = jax.device_put((shared_state.pack(leaves, layout, host), tuple(stacked)), (replicated, split))
-        outputs = program_for(layout, treedef)(buffers, stacked)
+        outputs = dispatch(mesh, program_for(layout, treedef), buffers, stacked)
         leaves = tree.flatten(outputs)
-        scalars = scalar_flags[tuple(None if leaf is None else tuple(leaf.shape) for leaf in leaves)]
         per_replica: list = [[] for _ in devices]
-        for leaf, scalar in zip(leaves, scalars):
+        for leaf, scalar in zip(leaves, scalars_of(leaves)):
             blocks = {} if leaf is None else {shard.device: shard.data for shard in leaf.addressable_shards}
             for values, device in zip(per_replica, mesh.devices.flat):
                 value = blocks.get(device)
@@ -311,3 +350,41 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         return [tree.pack_sequence_as(outputs, values) for values in per_replica]
 
     return run
+
+
+# XLA's CPU runtime can deadlock when several programs with collectives over the same devices
+# are in flight at once (the devices' threads wait in the rendezvous of different programs; seen
+# with 4 virtual devices on 2 cores, also under `keras.distribution.DataParallel`). On CPU
+# devices a replica program is therefore dispatched once the previous one has finished (the next
+# one's inputs are prepared while it runs); accelerators queue programs as usual.
+_in_flight: list = []
+
+
+def dispatch(mesh: Mesh, program: Callable, *args: Any) -> Any:
+    """`program(*args)` over `mesh`, one at a time on CPU devices (see `_in_flight`)."""
+    if _in_flight:
+        jax.block_until_ready(_in_flight.pop())
+    outputs = program(*args)
+    if all(device.platform == "cpu" for device in mesh.devices.flat):
+        _in_flight.append(outputs)
+    return outputs
+
+
+def mesh_of(devices: Sequence[str]) -> Mesh:
+    """The one-axis mesh of the replicas' devices (meshes of the same devices are equal)."""
+    return Mesh(np.array([jax_device(d) for d in devices]), (AXIS,))
+
+
+def stack(per_replica: Sequence[tuple]) -> tuple:
+    """The replicas' arguments stacked on a new leading axis, one NumPy array per leaf."""
+    return tree.map_structure(
+        lambda *leaves: None if leaves[0] is None else np.stack([np.asarray(l) for l in leaves]), *per_replica
+    )
+
+
+class StackedShards:
+    """This device's replica arguments inside a step compiled as a whole, as a block of the stack
+    of every replica's (leading axis 1); a replicated function given it runs that replica inline."""
+
+    def __init__(self, stacked: tuple):
+        self.stacked = stacked

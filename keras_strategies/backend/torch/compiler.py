@@ -25,8 +25,10 @@ def with_rows(value: Any, rows: int) -> Any:
     return value
 
 
-def compile_replicated_step(fn: Callable) -> Callable:
-    """A whole train or test step around the replica program runs eagerly, like the rest."""
+def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
+                            keep_copies: bool) -> Callable:
+    """A whole train or test step around the replica program runs eagerly, like the rest
+    (`variables`, `devices` and `keep_copies` matter to JAX's engine only)."""
     return fn
 
 
@@ -38,3 +40,7 @@ def outside_compiled() -> contextlib.AbstractContextManager:
 def outside_replicas() -> contextlib.AbstractContextManager:
     """Nothing to leave: replicas here run eagerly and create plain variables."""
     return contextlib.nullcontext()
+
+
+def settle(variables: Sequence[Any], device: str) -> None:
+    """Nothing to bring back: compiled steps here leave variables where they live."""
