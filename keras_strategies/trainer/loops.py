@@ -43,6 +43,7 @@ class _Steps:
         for kind in ("train", "test", "predict"):
             runner = custom if overrides_step(model, kind) else standard
             setattr(self, f"{kind}_step", getattr(runner, f"{kind}_step"))
+        self.train_steps = None if overrides_step(model, "train") else standard.train_steps
         self.settle = standard.settle
 
 
@@ -235,7 +236,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
                 if end_step < trained_batches:
                     continue
                 callbacks.on_train_batch_begin(begin_step)
-                results = stop.run(step.train_step, batches)
+                results = stop.run(step.train_step, batches, step.train_steps)
                 if results is None:
                     break
                 logs = results[-1]

@@ -313,17 +313,29 @@ class ReplicaStep:
         pairs = [(PerReplica(values), self.host) for values in zip(*per_replica)]
         return self.cross_device_ops.batch_reduce(reduce_op, pairs)
 
-    def _assign_non_trainable(self, per_replica: list) -> None:
-        """New non-trainable values: the mean over replicas with data for floats, replica 0 otherwise."""
+    def _assign_non_trainable(self, per_replica: list, in_program: bool = False) -> None:
+        """New non-trainable values: the mean over replicas with data for floats, replica 0 otherwise.
+
+        Reduced with the strategy's cross-device ops, or `in_program` (inside a
+        compiled whole step, where every device holds every replica's values)
+        with the same sum in replica order as `ReductionToOneDevice`.
+        """
         host = self.host
+
+        def reduce(reduce_op: ReduceOp, values: Sequence[Any]) -> Any:
+            if not in_program:
+                return self.cross_device_ops.reduce(reduce_op, PerReplica(values), host)
+            total = functools.reduce(engine.gradients.add, values)
+            return ops.divide(total, ops.cast(len(values), total.dtype)) if reduce_op == ReduceOp.MEAN else total
+
         for variable, values in zip(self.model.non_trainable_variables, zip(*per_replica)):
             aggregation = getattr(variable, "aggregation", "none")
             if len(values) > 1 and _is_float(variable) and aggregation in ("mean", "none"):
-                variable.assign(self.cross_device_ops.reduce(ReduceOp.MEAN, PerReplica(values), host))
+                variable.assign(reduce(ReduceOp.MEAN, values))
             elif len(values) > 1 and aggregation == "sum":
                 old = engine.devices.copy_to(variable.value, host)
-                deltas = PerReplica([ops.subtract(engine.devices.copy_to(v, host), old) for v in values])
-                variable.assign(ops.add(old, self.cross_device_ops.reduce(ReduceOp.SUM, deltas, host)))
+                deltas = [ops.subtract(engine.devices.copy_to(v, host), old) for v in values]
+                variable.assign(ops.add(old, reduce(ReduceOp.SUM, deltas)))
             else:
                 variable.assign(engine.devices.copy_to(values[0], host))
 
@@ -462,6 +474,7 @@ class ReplicaStep:
             self._compiled_steps[kind] = engine.compiler.compile_replicated_step(
                 function, self._step_variables(), self.devices,
                 getattr(self.strategy.extended, "_replicas_keep_copies", False),
+                functools.partial(self._assign_non_trainable, in_program=True),
             )
         return self._compiled_steps[kind]
 
@@ -508,6 +521,33 @@ class ReplicaStep:
         with engine.devices.device_scope(self.host), optimizer_hooks.direct_update():
             engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
         return self._update_metrics(batch, loss, predictions)
+
+    def train_steps(self, batches: Sequence[Any]) -> Optional[dict]:
+        """Several train steps (`steps_per_execution`) as one compiled program where the engine
+        runs groups of steps (JAX): the logs after the last, as Keras' own steps report a group;
+        None when they cannot run as one program, and each takes `train_step` instead.
+
+        A group needs one worker, a whole-step program for every batch, the same shard sizes
+        and shapes in every batch (a partial last group runs step by step), and a loss scale
+        that does not change between steps (no `LossScaleOptimizer`).
+        """
+        model = self.model
+        if len(batches) < 2 or not self._compiled or isinstance(model.optimizer, LossScaleOptimizer):
+            return None
+        if self._loss_scale() != 1.0:
+            return None
+        if not model.optimizer.built:  # no variables are created inside a compiled step
+            model.optimizer.build(model.trainable_variables)
+        group = engine.compiler.step_group(self._compiled_step("train"))
+        if group is None:
+            return None
+        cut = [self._shards(data, "train") for data in batches]
+        signatures = {(tuple(s.sizes), tuple(np.shape(leaf) for leaf in tree.flatten(s.per_replica))) for s in cut}
+        if len(signatures) != 1 or not all(self._one_program("train", shards) for shards in cut):
+            return None
+        for shards in cut:
+            self._is_full_batch(shards)
+        return group([(self._per_replica(s, 1.0), self._batch_arrays(s), tuple(s.sizes)) for s in cut])
 
     def train_step(self, data: Any, stop_asked: bool = False) -> Any:
         model = self.model

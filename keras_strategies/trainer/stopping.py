@@ -17,7 +17,7 @@ step of an epoch is agreed at the epoch's end (`loops.fit`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from keras_strategies.trainer.replica_step import STOPPED
 
@@ -31,8 +31,17 @@ class StopAgreement:
         self._several_workers = strategy.extended._num_workers > 1
         self._asked = False
 
-    def run(self, step: Callable[..., Any], batches: Iterable) -> list | None:
-        """The step's results on each batch; None when the workers agreed to stop first."""
+    def run(self, step: Callable[..., Any], batches: Iterable, group: Optional[Callable[[list], Any]] = None) -> list | None:
+        """The step's results on each batch; None when the workers agreed to stop first.
+
+        `group(batches)`, where given, runs all the batches as one program and returns the
+        results after the last (or None, and each batch takes `step`); one worker only.
+        """
+        if group is not None and not self._several_workers:
+            batches = list(batches)
+            result = group(batches)
+            if result is not None:
+                return [result]
         results = []
         for data in batches:
             result = step(data, stop_asked=self._asked)

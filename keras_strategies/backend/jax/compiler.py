@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from keras.src import tree
 
 from keras_strategies.backend.jax import replicas
 from keras_strategies.backend.jax.devices import jax_device
@@ -54,7 +56,7 @@ def with_rows(value: Any, rows: int) -> Any:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool) -> Callable:
+                            keep_copies: bool, finish: Callable[[list], None]) -> Callable:
     """A whole train or test step around the replica program as one jitted program over the
     replicas' mesh, whose `variables` stay on the mesh between steps.
 
@@ -68,6 +70,10 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     are written back afterwards, still on every device, so the next step sends
     no state: only the batch travels. `settle` brings the variables back to one
     device when a loop ends. One trace per batch shape and shard sizes.
+
+    `fn` returns `(logs, the non-trainable values of each replica with rows)`;
+    `finish(those values)` assigns them inside a program (`call.group`, below),
+    where the caller assigns them after a single step.
 
     Without `keep_copies` (CentralStorage: one copy of each variable, updated
     once on its device) `fn` runs as it is: its replica program, its update
@@ -99,22 +105,68 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
             programs[sizes] = jax.jit(step)
         return programs[sizes]
 
-    def call(per_replica: Any, batch: tuple, sizes: tuple) -> Any:
-        values = [v.value for v in variables]
+    def group_on_each_device(sizes, values, stacked_steps, batches):
+        # The steps of a group in one `lax.scan`, the state carried from step to step; the
+        # non-trainable values are assigned inside each step, where the next one reads them.
+        def one_step(carry, inputs):
+            with StatelessScope(state_mapping=list(zip(variables, carry))) as scope:
+                logs, non_trainable = fn(replicas.StackedShards(inputs[0]), inputs[1], sizes)
+                finish(non_trainable)
+            new = [scope.get_current_value(v) for v in variables]
+            return [jax.numpy.asarray(n, old.dtype) for n, old in zip(new, carry)], logs
+
+        final, logs = jax.lax.scan(one_step, list(values), (stacked_steps, batches))
+        return jax.tree_util.tree_map(lambda per_step: per_step[-1], logs), final
+
+    groups: dict = {}  # shard sizes -> the program of a group of steps
+
+    def group_for(sizes: tuple) -> Callable:
+        if sizes not in groups:
+            steps = jax.shard_map(functools.partial(group_on_each_device, sizes), mesh=mesh,
+                                  in_specs=(P(), P(None, replicas.AXIS), P()), out_specs=P(), check_vma=False)
+            groups[sizes] = jax.jit(steps)
+        return groups[sizes]
+
+    def values_on_mesh(state: list, send: Any, sharding: Any) -> tuple:
+        """The state's values on the mesh, and `send` placed with `sharding`: one transfer."""
+        values = [v.value for v in state]
         moving = [i for i, value in enumerate(values) if not _is_on(value, on_mesh)]
-        stacked = replicas.stack(per_replica)
-        # One transfer for the batch, the shards and whatever state is not on the mesh yet.
-        moved, stacked, batch = jax.device_put(([values[i] for i in moving], stacked, tuple(batch)),
-                                               (on_mesh, split, on_mesh))
+        moved, sent = jax.device_put(([values[i] for i in moving], send), (on_mesh, sharding))
         for i, value in zip(moving, moved):
             values[i] = value
+        return values, sent
+
+    def call(per_replica: Any, batch: tuple, sizes: tuple) -> Any:
+        # One transfer for the batch, the shards and whatever state is not on the mesh yet.
+        values, (stacked, batch) = values_on_mesh(variables, (replicas.stack(per_replica), tuple(batch)),
+                                                  (split, on_mesh))
         output, new_values = replicas.dispatch(mesh, program_for(tuple(sizes)), values, stacked, batch)
         for variable, value in zip(variables, new_values):
             if value is not None:
                 variable.assign(value)
         return output
 
+    def group(steps: Sequence[tuple]) -> Any:
+        """`steps` (each `(per_replica, batch, sizes)`, all of one signature) as one program:
+        the logs after the last step."""
+        stack_steps = lambda *leaves: None if leaves[0] is None else np.stack([np.asarray(l) for l in leaves])  # noqa: E731
+        stacked = tree.map_structure(stack_steps, *[replicas.stack(per_replica) for per_replica, _, _ in steps])
+        batches = tree.map_structure(stack_steps, *[tuple(batch) for _, batch, _ in steps])
+        values, (stacked, batches) = values_on_mesh(variables, (stacked, batches),
+                                                    (NamedSharding(mesh, P(None, replicas.AXIS)), on_mesh))
+        logs, final = replicas.dispatch(mesh, group_for(tuple(steps[0][2])), values, stacked, batches)
+        for variable, value in zip(variables, final):
+            variable.assign(value)
+        return logs
+
+    call.group = group
     return call
+
+
+def step_group(compiled_step: Callable) -> Optional[Callable]:
+    """What runs a group of steps (`steps_per_execution`) as one program: a whole step that
+    keeps the state on the mesh can (`call.group`); None for one that cannot."""
+    return getattr(compiled_step, "group", None)
 
 
 def settle(variables: Sequence[Any], device: str) -> None:

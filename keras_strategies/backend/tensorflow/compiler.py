@@ -15,7 +15,7 @@ def compile_function(fn: Callable) -> Callable:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool) -> Callable:
+                            keep_copies: bool, finish: Callable[[list], None]) -> Callable:
     """Compiles a whole train or test step around the replica program into one `tf.function`.
 
     `fn` runs the replicas (`make_replicated`), then the optimizer update and the
@@ -24,7 +24,7 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     8 to 3 ms here). One trace per batch shape, as `compile_stateful`; a partial
     has no `__code__`, so TensorFlow counts the traces of each model's step on
     their own (see `make_replicated`). TensorFlow's variables stay where they
-    live: `variables`, `devices` and `keep_copies` matter to JAX's engine only.
+    live: `variables`, `devices`, `keep_copies` and `finish` matter to JAX's engine only.
     """
     return tf.function(functools.partial(fn), autograph=False)
 
@@ -88,3 +88,8 @@ def outside_replicas() -> Iterator[None]:
 
 def settle(variables: Sequence[Any], device: str) -> None:
     """Nothing to bring back: compiled steps here leave variables where they live."""
+
+
+def step_group(compiled_step: Callable) -> None:
+    """None: each step of a `steps_per_execution` group runs on its own here."""
+    return None

@@ -26,9 +26,9 @@ def with_rows(value: Any, rows: int) -> Any:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool) -> Callable:
+                            keep_copies: bool, finish: Callable[[list], None]) -> Callable:
     """A whole train or test step around the replica program runs eagerly, like the rest
-    (`variables`, `devices` and `keep_copies` matter to JAX's engine only)."""
+    (`variables`, `devices`, `keep_copies` and `finish` matter to JAX's engine only)."""
     return fn
 
 
@@ -44,3 +44,8 @@ def outside_replicas() -> contextlib.AbstractContextManager:
 
 def settle(variables: Sequence[Any], device: str) -> None:
     """Nothing to bring back: compiled steps here leave variables where they live."""
+
+
+def step_group(compiled_step: Callable) -> None:
+    """None: each step of a `steps_per_execution` group runs on its own here."""
+    return None

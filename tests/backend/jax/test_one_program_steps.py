@@ -34,6 +34,23 @@ def _devices_of(variable):
     return {d.id for d in variable.value.sharding.device_set}
 
 
+def _count_dispatches(monkeypatch):
+    """A dict whose "programs" counts the multi-device programs dispatched from now on."""
+    counts = {"programs": 0}
+    monkeypatch.setattr(replicas, "dispatch", _counting(replicas.dispatch, counts, "programs"))
+    return counts
+
+
+def _counting(function, calls, key):
+    """`function`, counting its calls in `calls[key]` (a method too: `self` is the first argument)."""
+
+    def counted(*args, **kwargs):
+        calls[key] += 1
+        return function(*args, **kwargs)
+
+    return counted
+
+
 class _Placement(keras.callbacks.Callback):
     """Where the model's and the optimizer's variables are after each step (without syncing anything)."""
 
@@ -76,18 +93,9 @@ def test_once_traced_train_and_test_steps_make_no_python_call_to_the_update_or_t
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # traces full and partial batches
     first = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
     calls = {"update": 0, "metrics": 0}
-    apply, update_metrics = jax_optimizer.apply_gradients, replica_step.ReplicaStep._update_metrics
-
-    def counted_apply(*args, **kwargs):
-        calls["update"] += 1
-        return apply(*args, **kwargs)
-
-    def counted_metrics(self, *args, **kwargs):
-        calls["metrics"] += 1
-        return update_metrics(self, *args, **kwargs)
-
-    monkeypatch.setattr(jax_optimizer, "apply_gradients", counted_apply)
-    monkeypatch.setattr(replica_step.ReplicaStep, "_update_metrics", counted_metrics)
+    for owner, name, key in ((jax_optimizer, "apply_gradients", "update"),
+                             (replica_step.ReplicaStep, "_update_metrics", "metrics")):
+        monkeypatch.setattr(owner, name, _counting(getattr(owner, name), calls, key))
     before = int(model.optimizer.iterations.numpy())
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     again = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
@@ -130,8 +138,63 @@ def test_every_compiled_step_is_dispatched_one_at_a_time_on_cpu_devices(monkeypa
     x, y = _data()
     with ks.MirroredStrategy(DEVICES).scope():
         model = _model()
-    dispatched = []
-    dispatch = replicas.dispatch
-    monkeypatch.setattr(replicas, "dispatch", lambda *args: dispatched.append(1) or dispatch(*args))
+    dispatched = _count_dispatches(monkeypatch)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(x, y))
-    assert len(dispatched) == 12  # 3 train and 3 test steps an epoch
+    assert dispatched["programs"] == 12  # 3 train and 3 test steps an epoch
+
+
+def _steps_model(steps_per_execution, extra_layers=lambda: ()):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(16, activation="relu"), *extra_layers(), keras.layers.Dense(1)]
+    )
+    model.compile(loss="mse", optimizer=keras.optimizers.Adam(0.01), metrics=["mae"],
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def test_steps_per_execution_runs_each_group_of_full_batches_as_one_program_and_trains_like_one_device(monkeypatch):
+    x, y = _data(70)  # 9 batches of 8 an epoch, the last of 6: groups of 3, 3 and 3 (uneven)
+    reference = _steps_model(3)
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    with ks.MirroredStrategy(DEVICES).scope():
+        model = _steps_model(3)
+    dispatched = _count_dispatches(monkeypatch)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    # Per epoch: two groups of three full batches, then the group with the partial batch step by step.
+    assert dispatched["programs"] == 2 * (2 + 3)
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 18
+    for name in ("loss", "mae"):
+        np.testing.assert_allclose(history[name], expected[name], rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_group_of_steps_carries_batch_normalization_and_dropout_state_from_step_to_step():
+    # Per-replica BatchNormalization statistics averaged after each step, and the dropout seed
+    # advanced at each step: a group of four steps equals four single steps.
+    x, y = _data(64)
+    layers = lambda: (keras.layers.BatchNormalization(), keras.layers.Dropout(0.2))  # noqa: E731
+    with ks.MirroredStrategy(DEVICES).scope():
+        single, grouped = _steps_model(1, layers), _steps_model(4, layers)
+    expected = single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    history = grouped.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert history == expected
+    for got, want in zip(grouped.get_weights(), single.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_tpu_strategy_runs_a_group_of_steps_per_execution_on_the_devices(monkeypatch):
+    # TPUStrategy's static shapes on virtual CPU devices (its test-only `_test_devices`): the two full
+    # batches of each epoch run as one program; the partial last one, padded to their shape, alone.
+    x, y = _data(19)
+    reference = _steps_model(2)
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    with ks.TPUStrategy(_test_devices=DEVICES).scope():
+        model = _steps_model(2)
+    dispatched = _count_dispatches(monkeypatch)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert dispatched["programs"] == 2 * 2
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
