@@ -373,8 +373,10 @@ class ReplicaStep:
 
     def _batch_arrays(self, shards: Shards) -> tuple:
         """`(rows, x, y, sample_weight)` of the global batch as they were read (NumPy): what a
-        step compiled as a whole takes, to send to its devices in one transfer."""
-        return (np.array(float(shards.batch), "float32"), shards.x, shards.y, shards.sample_weight)
+        step compiled as a whole takes, to send to its devices in one transfer. Without the
+        inputs (None) unless the model's own `compute_metrics` may read them: Keras' ignores them."""
+        x = shards.x if type(self.model).compute_metrics is not keras.Model.compute_metrics else None
+        return (np.array(float(shards.batch), "float32"), x, shards.y, shards.sample_weight)
 
     def _batch_tensors(self, batch: tuple) -> tuple:
         with engine.devices.device_scope(self.host):
