@@ -44,6 +44,7 @@ class _Steps:
             runner = custom if overrides_step(model, kind) else standard
             setattr(self, f"{kind}_step", getattr(runner, f"{kind}_step"))
         self.train_steps = None if overrides_step(model, "train") else standard.train_steps
+        self.test_steps = None if overrides_step(model, "test") else standard.test_steps
         self.settle = standard.settle
 
 
@@ -293,7 +294,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     with worker_sharding.per_worker_input(per_worker):
         for begin_step, end_step, batches in _epoch(epoch_iterator, strategy, model, per_worker):
             callbacks.on_test_batch_begin(begin_step)
-            results = stop.run(step.test_step, batches)
+            results = stop.run(step.test_step, batches, step.test_steps)
             if results is None:
                 break
             logs = results[-1]

@@ -473,10 +473,10 @@ class ReplicaStep:
         """`_train_and_update` or `_test_and_measure`, compiled as a whole on first use."""
         if kind not in self._compiled_steps:
             function = self._train_and_update if kind == "train" else self._test_and_measure
+            finish = functools.partial(self._assign_non_trainable, in_program=True) if kind == "train" else None
             self._compiled_steps[kind] = engine.compiler.compile_replicated_step(
                 function, self._step_variables(), self.devices,
-                getattr(self.strategy.extended, "_replicas_keep_copies", False),
-                functools.partial(self._assign_non_trainable, in_program=True),
+                getattr(self.strategy.extended, "_replicas_keep_copies", False), finish,
             )
         return self._compiled_steps[kind]
 
@@ -534,21 +534,29 @@ class ReplicaStep:
         that does not change between steps (no `LossScaleOptimizer`).
         """
         model = self.model
-        if len(batches) < 2 or not self._compiled or isinstance(model.optimizer, LossScaleOptimizer):
+        if isinstance(model.optimizer, LossScaleOptimizer) or self._loss_scale() != 1.0:
             return None
-        if self._loss_scale() != 1.0:
-            return None
-        if not model.optimizer.built:  # no variables are created inside a compiled step
+        if self._compiled and not model.optimizer.built:  # no variables are created inside a compiled step
             model.optimizer.build(model.trainable_variables)
-        group = engine.compiler.step_group(self._compiled_step("train"))
+        return self._steps_as_one("train", batches)
+
+    def test_steps(self, batches: Sequence[Any]) -> Optional[dict]:
+        """Several test steps as one compiled program (see `train_steps`): the logs after the last."""
+        return self._steps_as_one("test", batches)
+
+    def _steps_as_one(self, kind: str, batches: Sequence[Any]) -> Optional[dict]:
+        if len(batches) < 2 or not self._compiled:
+            return None
+        group = engine.compiler.step_group(self._compiled_step(kind))
         if group is None:
             return None
-        cut = [self._shards(data, "train") for data in batches]
+        cut = [self._shards(data, kind) for data in batches]
         signatures = {(tuple(s.sizes), tuple(np.shape(leaf) for leaf in tree.flatten(s.per_replica))) for s in cut}
-        if len(signatures) != 1 or not all(self._one_program("train", shards) for shards in cut):
+        if len(signatures) != 1 or not all(self._one_program(kind, shards) for shards in cut):
             return None
-        for shards in cut:
-            self._is_full_batch(shards)
+        if kind == "train":
+            for shards in cut:
+                self._is_full_batch(shards)
         return group([(self._per_replica(s, 1.0), self._batch_arrays(s), tuple(s.sizes)) for s in cut])
 
     def train_step(self, data: Any, stop_asked: bool = False) -> Any:

@@ -56,7 +56,7 @@ def with_rows(value: Any, rows: int) -> Any:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool, finish: Callable[[list], None]) -> Callable:
+                            keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
     """A whole train or test step around the replica program as one jitted program over the
     replicas' mesh, whose `variables` stay on the mesh between steps.
 
@@ -71,9 +71,10 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     no state: only the batch travels. `settle` brings the variables back to one
     device when a loop ends. One trace per batch shape and shard sizes.
 
-    `fn` returns `(logs, the non-trainable values of each replica with rows)`;
-    `finish(those values)` assigns them inside a program (`call.group`, below),
-    where the caller assigns them after a single step.
+    A train step's `fn` returns `(logs, the non-trainable values of each replica
+    with rows)`; `finish(those values)` assigns them inside a group of steps
+    (`call.group`, below), where the caller assigns them after a single step.
+    A test step's returns its logs (`finish` is None).
 
     Without `keep_copies` (CentralStorage: one copy of each variable, updated
     once on its device) `fn` runs as it is: its replica program, its update
@@ -110,8 +111,10 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
         # non-trainable values are assigned inside each step, where the next one reads them.
         def one_step(carry, inputs):
             with StatelessScope(state_mapping=list(zip(variables, carry))) as scope:
-                logs, non_trainable = fn(replicas.StackedShards(inputs[0]), inputs[1], sizes)
-                finish(non_trainable)
+                logs = fn(replicas.StackedShards(inputs[0]), inputs[1], sizes)
+                if finish is not None:
+                    logs, non_trainable = logs
+                    finish(non_trainable)
             new = [scope.get_current_value(v) for v in variables]
             return [jax.numpy.asarray(n, old.dtype) for n, old in zip(new, carry)], logs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
@@ -15,7 +15,7 @@ def compile_function(fn: Callable) -> Callable:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool, finish: Callable[[list], None]) -> Callable:
+                            keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
     """Compiles a whole train or test step around the replica program into one `tf.function`.
 
     `fn` runs the replicas (`make_replicated`), then the optimizer update and the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 def compile_function(fn: Callable) -> Callable:
@@ -26,7 +26,7 @@ def with_rows(value: Any, rows: int) -> Any:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool, finish: Callable[[list], None]) -> Callable:
+                            keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
     """A whole train or test step around the replica program runs eagerly, like the rest
     (`variables`, `devices`, `keep_copies` and `finish` matter to JAX's engine only)."""
     return fn

@@ -170,6 +170,21 @@ def test_steps_per_execution_runs_each_group_of_full_batches_as_one_program_and_
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_evaluate_runs_each_group_of_full_batches_as_one_program_and_measures_like_one_device(monkeypatch):
+    x, y = _data(70)
+    reference = _steps_model(3)
+    with ks.MirroredStrategy(DEVICES).scope():
+        model = _steps_model(3)
+    model.set_weights(reference.get_weights())
+    dispatched = _count_dispatches(monkeypatch)
+    logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert dispatched["programs"] == 2 + 3
+    expected = reference.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert logs.keys() == expected.keys()
+    for name in logs:
+        np.testing.assert_allclose(logs[name], expected[name], rtol=1e-5)
+
+
 def test_a_group_of_steps_carries_batch_normalization_and_dropout_state_from_step_to_step():
     # Per-replica BatchNormalization statistics averaged after each step, and the dropout seed
     # advanced at each step: a group of four steps equals four single steps.
