@@ -3,8 +3,9 @@
 Every device runs its replica, the replica sum, the optimizer update and the
 metric update (`compiler.compile_replicated_step`); the model's variables stay
 on every device of the mesh between steps, so a step sends only its batch, and
-come back to one device when the loop ends. The results stay those of one
-device (checked throughout `tests/trainer/`).
+come back to one device when the loop ends. With `steps_per_execution`, a group
+of steps whose batches have the same shards is one program too (`lax.scan`).
+The results stay those of one device (checked throughout `tests/trainer/`).
 """
 
 import keras
