@@ -199,6 +199,7 @@ class ReplicaStep:
         self._keras_state: dict = {}
         self._compiled_metrics = None
         self._compiled_steps: dict = {}  # step kind -> the whole step, compiled (`_compiled_step`)
+        self._unsettled = False  # whether a whole step ran since the last `settle`
         self._rows_capacity = 0  # rows of the exchanged prediction buffers, the same on every worker
         make = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=compiled)
         self._train = make(self._replica_train)
@@ -467,10 +468,16 @@ class ReplicaStep:
         `_test_and_measure`): one worker, sums made in the replica program, and no eager
         fallback for this batch."""
         eager_fallback = kind in self._uneven_runs and shards.uneven and self._padding_enters.get(kind) is not False
-        return self._compiled and self.reduce_in_program and self.num_workers == 1 and not eager_fallback
+        return self._whole_steps() and not eager_fallback
+
+    def _whole_steps(self) -> bool:
+        """What a whole compiled step needs of every batch: compiled steps, sums made in the replica
+        program, one worker."""
+        return self._compiled and self.reduce_in_program and self.num_workers == 1
 
     def _compiled_step(self, kind: str) -> Callable:
         """`_train_and_update` or `_test_and_measure`, compiled as a whole on first use."""
+        self._unsettled = True  # the step about to run may leave the variables on the replicas' devices
         if kind not in self._compiled_steps:
             function = self._train_and_update if kind == "train" else self._test_and_measure
             finish = functools.partial(self._assign_non_trainable, in_program=True) if kind == "train" else None
@@ -492,7 +499,8 @@ class ReplicaStep:
     def settle(self) -> None:
         """Brings the variables back to the host device if a whole compiled step left them on the
         replicas' devices (JAX keeps them there between steps): for eager code after a loop."""
-        if self._compiled_steps:
+        if self._unsettled:
+            self._unsettled = False
             engine.compiler.settle(self._step_variables(), self.host)
 
     def _train_and_update(self, per_replica: list, batch: tuple, sizes: tuple) -> tuple:
@@ -545,7 +553,7 @@ class ReplicaStep:
         return self._steps_as_one("test", batches)
 
     def _steps_as_one(self, kind: str, batches: Sequence[Any]) -> Optional[dict]:
-        if len(batches) < 2 or not self._compiled:
+        if len(batches) < 2 or not self._whole_steps():  # before any batch is cut
             return None
         group = engine.compiler.step_group(self._compiled_step(kind))
         if group is None:

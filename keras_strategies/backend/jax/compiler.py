@@ -7,10 +7,8 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from keras.src import tree
 
 from keras_strategies.backend.jax import replicas
 from keras_strategies.backend.jax.devices import jax_device
@@ -89,46 +87,39 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     mesh = replicas.mesh_of(devices)
     on_mesh, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(replicas.AXIS))
 
-    def on_each_device(sizes, values, stacked, batch):
+    def traced_step(values, stacked, batch, sizes, in_group):
+        """`fn` over `values` of `variables`: its output, the values given, the values after it."""
         with StatelessScope(state_mapping=list(zip(variables, values))) as scope:
             given = [scope.state_mapping[id(v)] for v in variables]
             output = fn(replicas.StackedShards(stacked), batch, sizes)
-        new_values = [scope.get_current_value(v) for v in variables]
+            if in_group and finish is not None:
+                # Inside a group, the non-trainable values are assigned in each step, where the next reads them.
+                output, non_trainable = output
+                finish(non_trainable)
+        return output, given, [scope.get_current_value(v) for v in variables]
+
+    def on_each_device(sizes, values, stacked, batch):
+        output, given, new_values = traced_step(values, stacked, batch, sizes, in_group=False)
         # Only what the step assigned comes back (None: an empty pytree, no output).
         return output, [None if new is old else new for new, old in zip(new_values, given)]
 
-    programs: dict = {}  # shard sizes -> the step's program
-
-    def program_for(sizes: tuple) -> Callable:
-        if sizes not in programs:
-            step = jax.shard_map(functools.partial(on_each_device, sizes), mesh=mesh,
-                                 in_specs=(P(), P(replicas.AXIS), P()), out_specs=P(), check_vma=False)
-            programs[sizes] = jax.jit(step)
-        return programs[sizes]
-
     def group_on_each_device(sizes, values, stacked_steps, batches):
-        # The steps of a group in one `lax.scan`, the state carried from step to step; the
-        # non-trainable values are assigned inside each step, where the next one reads them.
+        # The steps of a group in one `lax.scan`, the state carried from step to step.
         def one_step(carry, inputs):
-            with StatelessScope(state_mapping=list(zip(variables, carry))) as scope:
-                logs = fn(replicas.StackedShards(inputs[0]), inputs[1], sizes)
-                if finish is not None:
-                    logs, non_trainable = logs
-                    finish(non_trainable)
-            new = [scope.get_current_value(v) for v in variables]
-            return [jax.numpy.asarray(n, old.dtype) for n, old in zip(new, carry)], logs
+            logs, _, new_values = traced_step(carry, *inputs, sizes, in_group=True)
+            return [jax.numpy.asarray(new, old.dtype) for new, old in zip(new_values, carry)], logs
 
         final, logs = jax.lax.scan(one_step, list(values), (stacked_steps, batches))
         return jax.tree_util.tree_map(lambda per_step: per_step[-1], logs), final
 
-    groups: dict = {}  # shard sizes -> the program of a group of steps
+    programs: dict = {}  # (step or group, shard sizes) -> its program
 
-    def group_for(sizes: tuple) -> Callable:
-        if sizes not in groups:
-            steps = jax.shard_map(functools.partial(group_on_each_device, sizes), mesh=mesh,
-                                  in_specs=(P(), P(None, replicas.AXIS), P()), out_specs=P(), check_vma=False)
-            groups[sizes] = jax.jit(steps)
-        return groups[sizes]
+    def program_for(on_each: Callable, sizes: tuple, stacked_spec: Any) -> Callable:
+        if (on_each, sizes) not in programs:
+            program = jax.shard_map(functools.partial(on_each, sizes), mesh=mesh,
+                                    in_specs=(P(), stacked_spec, P()), out_specs=P(), check_vma=False)
+            programs[on_each, sizes] = jax.jit(program)
+        return programs[on_each, sizes]
 
     def values_on_mesh(state: list, send: Any, sharding: Any) -> tuple:
         """The state's values on the mesh, and `send` placed with `sharding`: one transfer."""
@@ -143,7 +134,8 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
         # One transfer for the batch, the shards and whatever state is not on the mesh yet.
         values, (stacked, batch) = values_on_mesh(variables, (replicas.stack(per_replica), tuple(batch)),
                                                   (split, on_mesh))
-        output, new_values = replicas.dispatch(mesh, program_for(tuple(sizes)), values, stacked, batch)
+        program = program_for(on_each_device, tuple(sizes), P(replicas.AXIS))
+        output, new_values = replicas.dispatch(mesh, program, values, stacked, batch)
         for variable, value in zip(variables, new_values):
             if value is not None:
                 variable.assign(value)
@@ -152,12 +144,13 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     def group(steps: Sequence[tuple]) -> Any:
         """`steps` (each `(per_replica, batch, sizes)`, all of one signature) as one program:
         the logs after the last step."""
-        stack_steps = lambda *leaves: None if leaves[0] is None else np.stack([np.asarray(l) for l in leaves])  # noqa: E731
-        stacked = tree.map_structure(stack_steps, *[replicas.stack(per_replica) for per_replica, _, _ in steps])
-        batches = tree.map_structure(stack_steps, *[tuple(batch) for _, batch, _ in steps])
+        stacked = replicas.stack([replicas.stack(per_replica) for per_replica, _, _ in steps])
+        batches = replicas.stack([tuple(batch) for _, batch, _ in steps])
+        stacked_spec = P(None, replicas.AXIS)
         values, (stacked, batches) = values_on_mesh(variables, (stacked, batches),
-                                                    (NamedSharding(mesh, P(None, replicas.AXIS)), on_mesh))
-        logs, final = replicas.dispatch(mesh, group_for(tuple(steps[0][2])), values, stacked, batches)
+                                                    (NamedSharding(mesh, stacked_spec), on_mesh))
+        program = program_for(group_on_each_device, tuple(steps[0][2]), stacked_spec)
+        logs, final = replicas.dispatch(mesh, program, values, stacked, batches)
         for variable, value in zip(variables, final):
             variable.assign(value)
         return logs

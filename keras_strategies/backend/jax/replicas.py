@@ -116,12 +116,10 @@ def _concrete(leaves: Sequence[Any]) -> list:
 
 
 def _program_sums(values: list) -> list:
-    """`psum` of `values` in one collective; inside a step compiled as a whole, the results are
-    noted as the same on every device (`make_replicated` then gathers none of them)."""
+    """`psum` of `values` in one collective; the results are noted as the same on every device
+    (inside a step compiled as a whole, `make_replicated` then gathers none of them)."""
     totals = jax.lax.psum(list(values), AXIS)
-    shared = _in_replica_program.get("shared")
-    if shared is not None:
-        shared.update(id(total) for total in totals)
+    _in_replica_program["shared"].update(id(total) for total in totals)
     return totals
 
 
@@ -275,13 +273,21 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
     scalar_flags: dict = {}
     count = len(devices)
 
-    def replica_body(shared, stacked):
+    def run_own_replica(shared, stacked) -> tuple:
+        """This device's replica of `fn` on its block of `stacked`; and the ids of its outputs that
+        the replica sum left the same on every device (`_program_sums`)."""
         own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], stacked)
-        _in_replica_program.update(active=True, devices=len(devices))
+        _in_replica_program.update(active=True, devices=count, shared=set())
         try:
             outputs = fn(jax.lax.axis_index(AXIS), *shared, *own)
         finally:
             _in_replica_program["active"] = False
+            shared_ids = _in_replica_program.pop("shared")
+        return outputs, shared_ids
+
+    def body(layout, treedef, buffers, stacked):
+        shared = jax.tree_util.tree_unflatten(treedef, shared_state.unpack(buffers, layout))
+        outputs, _ = run_own_replica(shared, stacked)
         leaves = tree.flatten(outputs)
         scalars = [leaf is not None and jnp.ndim(leaf) == 0 for leaf in leaves]
         blocks = [jnp.expand_dims(leaf, 0) if scalar else leaf for leaf, scalar in zip(leaves, scalars)]
@@ -290,10 +296,6 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         )
         scalar_flags[global_shapes] = scalars
         return tree.pack_sequence_as(outputs, blocks)
-
-    def body(layout, treedef, buffers, stacked):
-        shared = jax.tree_util.tree_unflatten(treedef, shared_state.unpack(buffers, layout))
-        return replica_body(shared, stacked)
 
     programs: dict = {}  # (layout, treedef) of the shared state -> its program
 
@@ -311,13 +313,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         # Inside a step compiled as a whole (`compiler.compile_replicated_step`), which runs on
         # each device of the mesh: this device's replica runs inline, and each output is given to
         # every replica's entry as the replica sum left it (the same on every device) or gathered.
-        own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], shards.stacked)
-        _in_replica_program.update(active=True, devices=count, shared=set())
-        try:
-            outputs = fn(jax.lax.axis_index(AXIS), *shared, *own)
-        finally:
-            _in_replica_program["active"] = False
-            shared_ids = _in_replica_program.pop("shared")
+        outputs, shared_ids = run_own_replica(shared, shards.stacked)
         per_replica: list = [[] for _ in devices]
         for leaf in tree.flatten(outputs):
             if leaf is None or id(leaf) in shared_ids:
