@@ -16,6 +16,10 @@ global batch 128):
    device (PyTorch backend, which has no data parallelism of its own).
 3. `ks.CentralStorageStrategy` vs `ks.MirroredStrategy` on 1, 2 and 4 devices,
    on every backend (target <= 1.10).
+4. A custom training loop as in TensorFlow's distributed-training guide
+   (`strategy.run` in a `ks.function`, `ks.compute_average_loss`, the same
+   optimizer and accuracy metric) vs `ks.MirroredStrategy`'s `fit`, on 1, 2
+   and 4 devices, on every backend (target <= 1.20).
 
 Every measurement runs in its own child process, because the Keras backend
 and the number of (virtual) devices are fixed when a process initialises its
@@ -44,6 +48,7 @@ Usage:
     python bench/mirrored_step_time.py --backends jax --devices 1,2
     python bench/mirrored_step_time.py --repeats 3          # 3 interleaved runs per cell (less noise)
     python bench/mirrored_step_time.py --compare central    # only CentralStorage against Mirrored
+    python bench/mirrored_step_time.py --compare custom     # only the custom loop against fit
     python bench/mirrored_step_time.py --threads 0          # backend-default intra-op threads (default 1)
     python bench/mirrored_step_time.py --source /tmp/ks_snapshot  # a frozen copy of the package
     python bench/mirrored_step_time.py --worker --backend jax --devices 2 --mode ks --profile 20
@@ -64,9 +69,9 @@ RESULT_PREFIX = "BENCH-RESULT "
 BACKENDS = ("tensorflow", "jax", "torch")
 TARGET = 1.05
 # our mode -> the `--compare` choice that selects its comparisons
-COMPARE_OF = {"ks": "mirrored", "ks_central": "central"}
+COMPARE_OF = {"ks": "mirrored", "ks_central": "central", "ks_custom": "custom"}
 # (ours, baseline) -> the ratio ours/baseline to stay under, where it is not TARGET
-TARGETS = {("ks_central", "ks"): 1.10}
+TARGETS = {("ks_central", "ks"): 1.10, ("ks_custom", "ks"): 1.20}
 # `ks` on several virtual devices against plain Keras on one (PyTorch, which has no native peer)
 MULTI_DEVICE_PLAIN_TARGETS = {"mlp": 2.0, "cnn": 1.1}
 
@@ -91,6 +96,7 @@ def global_batch() -> int:
 MODE_NAMES = {
     "ks": "ks.MirroredStrategy",
     "ks_central": "ks.CentralStorageStrategy",
+    "ks_custom": "ks.MirroredStrategy custom loop",
     "plain": "plain Keras fit (no strategy)",
     "tf_mirrored": "tf.distribute.MirroredStrategy",
     "jax_dp": "keras.distribution.DataParallel",
@@ -214,6 +220,9 @@ def _model_under_mode(keras, backend: str, devices: int, mode: str):
         origin = os.path.dirname(os.path.dirname(os.path.abspath(ks.__file__)))
         return model, (f"{strategy!r}, cross_device_ops={type(strategy.extended._cross_device_ops).__name__}, "
                        f"keras_strategies from {origin}")
+    if mode == "ks_custom":
+        model, setup = _model_under_mode(keras, backend, devices, "ks")
+        return model, f"the guide's custom loop in ks.function, {setup}"
     if mode == "ks_central":
         import keras_strategies as ks
 
@@ -285,9 +294,13 @@ def run_worker(args) -> None:
     timer = StepTimer()
     imported = time.perf_counter()
     rss_before_fit = _peak_rss_mb()
-    history = model.fit(
-        x, y, batch_size=global_batch(), epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[timer]
-    )
+    if args.mode == "ks_custom":
+        final_loss = _custom_loop(keras, model, x, y, 1 + args.epochs, timer)
+    else:
+        history = model.fit(
+            x, y, batch_size=global_batch(), epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[timer]
+        )
+        final_loss = float(history.history["loss"][-1])
     peak_rss = _peak_rss_mb()  # before the breakdown and the profile, which run more steps
     step_ms, cycle_ms = [], []
     for epoch in range(1, 1 + args.epochs):  # epoch 0 is warm-up
@@ -308,7 +321,7 @@ def run_worker(args) -> None:
         "cycle_median_ms": statistics.median(cycle_ms) if cycle_ms else None,
         "first_step_ms": warmup_ms[0],
         "measured_steps": len(step_ms),
-        "final_loss": float(history.history["loss"][-1]),
+        "final_loss": final_loss,
         "fit_s": time.perf_counter() - imported,
         "process_s": time.perf_counter() - started,
         "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -321,6 +334,45 @@ def run_worker(args) -> None:
     if args.profile:
         _profile(model, args.profile)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _custom_loop(keras, model, x, y, epochs: int, timer) -> float:
+    """The distributed-training guide's custom loop over `x, y` with `model`'s optimizer, timed
+    like `fit` (each step from taking its batch to its loss as a Python float); the last epoch's
+    mean loss."""
+    import keras_strategies as ks
+    from keras_strategies.keras_integration.ownership import strategy_of
+
+    strategy = strategy_of(model)
+    batch = global_batch()
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    with strategy.scope():
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+
+    def replica_step(features, labels):
+        def loss_fn():
+            logits = model(features, training=True)
+            return ks.compute_average_loss(loss_object(labels, logits), global_batch_size=batch), logits
+
+        (loss, logits), grads = ks.value_and_grad(loss_fn, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        accuracy.update_state(labels, logits)
+        return loss
+
+    @ks.function
+    def train_step(features, labels):
+        return strategy.reduce("sum", strategy.run(replica_step, args=(features, labels)), axis=None)
+
+    dataset = strategy.experimental_distribute_dataset(strategy.make_experimental_numpy_dataset((x, y)).batch(batch))
+    for epoch in range(epochs):
+        timer.on_epoch_begin(epoch)
+        iterator, losses = iter(dataset), []
+        for step in range(len(x) // batch):
+            timer.on_train_batch_begin(step)
+            features, labels = next(iterator)
+            losses.append(float(keras.ops.convert_to_numpy(train_step(features, labels))))
+            timer.on_train_batch_end(step)
+    return sum(losses) / len(losses)
 
 
 # Top-level pieces of `ReplicaStep.train_step` (keras_strategies/trainer/replica_step.py)
@@ -476,17 +528,20 @@ def comparisons(backends, device_counts):
         if "torch" in backends:  # no native peer: plain Keras on one device, the physical limit here
             pairs.append(("torch", n, "ks", "plain"))
     pairs += [(backend, n, "ks_central", "ks") for backend in backends for n in device_counts]
+    pairs += [(backend, n, "ks_custom", "ks") for backend in backends for n in device_counts]
     return pairs
 
 
 def smoke_pairs(pairs):
     """Per backend for `--smoke`: its last `ks` comparison (the multi-device baseline where there is
-    one) and CentralStorage on the same devices, whose `ks` run it shares."""
+    one), and CentralStorage and the custom loop on the same devices, whose `ks` run they share."""
     last = {}
     for pair in pairs:
         if pair[2] == "ks":
             last[pair[0]] = pair
-    return list(last.values()) + [(b, n, "ks_central", "ks") for b, n, _, _ in last.values()]
+    chosen = list(last.values())
+    return chosen + [(b, n, ours, "ks") for ours in ("ks_central", "ks_custom") for b, n, _, _ in last.values()
+                     if (b, n, ours, "ks") in pairs]
 
 
 def spawn(backend: str, devices: int, mode: str, steps: int, epochs: int, threads: int, timeout: float,
@@ -759,10 +814,11 @@ def main(argv=None) -> int:
                         help="parent: every code path with tiny sizes, for the test suite (numbers mean nothing): "
                              "2 steps, 1 run, per backend and model one comparison on 2 devices, "
                              "and for the first model CentralStorage against Mirrored on them")
-    parser.add_argument("--compare", choices=("all", "mirrored", "central"), default="all",
+    parser.add_argument("--compare", choices=("all", "mirrored", "central", "custom"), default="all",
                         help="parent: which comparisons: ks.MirroredStrategy against plain Keras and the native "
                              "strategies (mirrored), ks.CentralStorageStrategy against ks.MirroredStrategy "
-                             "(central), or both (default)")
+                             "(central), the guide's custom loop against ks.MirroredStrategy's fit (custom), or "
+                             "all of them (default)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="parent: interleaved runs per cell, median of medians (default 1)")
     parser.add_argument("--threads", type=int, default=1,

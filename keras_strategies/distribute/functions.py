@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from keras_strategies.backend import engine
 from keras_strategies.distribute.strategy import sync_new_variables_from_chief
+from keras_strategies.distribute.traced_function import TracedFunction
 
 
 def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *args: Any, **kwargs: Any) -> tuple[Any, list]:
@@ -73,11 +74,12 @@ def function(fn: Callable[..., Any]) -> Callable[..., Any]:
         >>> losses = [float(train_step(x, y)) for x, y in strategy.experimental_distribute_dataset(dataset)]
     """
     compiled = engine.compiler.compile_step(fn)
+    whole = TracedFunction(fn, eager=compiled) if engine.compiler.TRACES_CUSTOM_STEPS else compiled
 
     @functools.wraps(fn)
     def step(*args: Any, **kwargs: Any) -> Any:
         sync_new_variables_from_chief()
-        return compiled(*args, **kwargs)
+        return whole(*args, **kwargs)
 
     step._ks_compiled = compiled  # for schedulers that take only the compiled function (TF's coordinator)
     return step

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from keras import distribution as keras_distribution
 from keras import ops
 
-from keras_strategies.distribute import context
+from keras_strategies.distribute import context, traced_function
 from keras_strategies.backend import engine
 from keras_strategies.input.options import ValueContext
 from keras_strategies.distribute.reduce_op import ReduceOp
@@ -294,6 +294,12 @@ class StrategyExtended:
             yield
 
     # --- replica execution ---------------------------------------------------
+    def _custom_steps_untraceable(self) -> Optional[str]:
+        """Why `ks.function` cannot trace a step on these replicas as one program, or None."""
+        if self._num_workers > 1:
+            return "its strategy has several workers, whose collectives meet eagerly"
+        return None
+
     def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         results = []
         # A worker's one replica runs together with the other workers' replicas: collectives
@@ -563,6 +569,7 @@ class Strategy:
             )
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"`kwargs` of `strategy.run` must be a dict, got {type(kwargs).__name__}.")
+        traced_function.note_run(self)
         return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Optional[int]) -> Any:
@@ -745,6 +752,7 @@ class _DefaultStrategy(Strategy):
         super().__init__(_DefaultExtended(self, ["cpu:0"]))
 
     def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, options: Any = None) -> Any:
+        traced_function.note_run(self)
         with context.enter_frame(self, self._default_replica_context):
             return fn(*args, **(kwargs or {}))
 

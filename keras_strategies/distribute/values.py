@@ -136,16 +136,20 @@ def _same_python_value(values: Sequence[Any]) -> bool:
     return False
 
 
-def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica) -> Any:
+def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, arrays_stay_distributed: bool = False) -> Any:
     """Inverse of `select_replica`: a list of per-replica structures becomes one structure.
 
     Leaves that are the same object (or equal Python scalars / `None`) on every
     replica collapse to that value, as in `tf.distribute` (returning `3` gives `3`).
+    `arrays_stay_distributed`: arrays do not collapse (in a compiled program, a
+    replica sum gives every replica the same array, which eager replicas hold apart).
     """
     if len(per_replica) == 1:
         return per_replica[0]
 
     def merge(*leaves):
+        if arrays_stay_distributed and hasattr(leaves[0], "shape") and hasattr(leaves[0], "dtype"):
+            return wrap_class(leaves)
         if _same_python_value(leaves):
             return leaves[0]
         return wrap_class(leaves)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 from keras_strategies.distribute.reduce_op import ReduceOp
-from keras_strategies.backend.common.replica_variables import outside_replica_scope
-from keras_strategies.distribute import context
+from keras_strategies.backend.common.replica_variables import ReplicaWrites, outside_replica_scope
+from keras_strategies.distribute import context, traced_function
 from keras_strategies.backend.common import keras_state
 from keras_strategies.distribute.values import map_structure, regroup, select_replica
 from keras_strategies.backend import engine
@@ -32,9 +32,16 @@ class MirroredExtended(StrategyExtended):
         # with the backend's own all-reduce; an explicit choice sums them after it.
         self._default_cross_device_ops = cross_device_ops is None
 
+    def _custom_steps_untraceable(self) -> Optional[str]:
+        if not self._replicas_keep_copies:
+            return f"{type(self._container).__name__} keeps one copy of each variable, on its parameter device"
+        return super()._custom_steps_untraceable()
+
     def _call_for_each_replica(self, fn, args, kwargs):
         if len(self._devices) == 1:
             return super()._call_for_each_replica(fn, args, kwargs)
+        if traced_function.traced_strategy() is self._container:
+            return self._call_in_traced_step(fn, args, kwargs)
         snapshot = keras_state.capture()
         strategy = self._container
         writes = self._replica_writes(self._devices)
@@ -49,6 +56,23 @@ class MirroredExtended(StrategyExtended):
         results = run((), [() for _ in self._devices])
         self._combine_writes(writes)
         return regroup(results)
+
+    def _call_in_traced_step(self, fn, args, kwargs):
+        """`run` inside a step `ks.function` compiles as one program over the replicas' mesh: this
+        device's replica runs inline, its writes are combined with the other replicas' in the program."""
+        strategy = self._container
+        writes = ReplicaWrites(self._devices[:1], lambda value, device: value, lambda value, primary: value, record=True)
+
+        def replica(replica_id, *_):
+            replica_context = context.ReplicaContext(strategy, replica_id, in_program=True)
+            with context.enter_frame(strategy, replica_context):
+                with writes.scope(0):
+                    output = fn(*select_replica(0, args), **select_replica(0, kwargs))
+                writes.combine(engine.replicas.combine_writes_in_program)
+            return output
+
+        run = engine.replicas.make_replicated(replica, self._devices, compiled=True)
+        return regroup(run((), engine.replicas.StackedShards(())), arrays_stay_distributed=True)
 
     def _merge_call(self, replica_context, merge_fn, args, kwargs):
         if self.num_replicas_in_sync == 1:

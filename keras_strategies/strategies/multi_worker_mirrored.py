@@ -297,6 +297,9 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             variable.assign(_to_numpy(value))
             self._synced[id(variable)] = weakref.ref(variable)
 
+    def _custom_steps_untraceable(self) -> Optional[str]:
+        return "MultiWorkerMirroredStrategy's replicas meet the other workers' in eager collectives"
+
     def _call_for_each_replica(self, fn, args, kwargs):
         self._sync_variables_from_chief()
         return super()._call_for_each_replica(fn, args, kwargs)

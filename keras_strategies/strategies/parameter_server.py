@@ -49,6 +49,9 @@ class ParameterServerExtended(StrategyExtended):
         with self._runtime.variable_scope():
             yield
 
+    def _custom_steps_untraceable(self) -> Optional[str]:
+        return "ParameterServerStrategy's steps run on its workers, from the coordinator"
+
     def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         strategy = self._container
 

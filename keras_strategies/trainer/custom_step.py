@@ -73,7 +73,7 @@ class CustomStep:
                     f"The model's own {kind}_step could not be compiled ({type(error).__name__}: "
                     f"{str(error).splitlines()[0] if str(error) else ''}); it runs eagerly on every "
                     "replica from now on, which is slower. A step that JAX can trace (no Python "
-                    "decisions on tensor values, no `merge_call`) runs as one compiled program.",
+                    "decisions on tensor values) runs as one compiled program.",
                     stacklevel=2,
                 )
             else:

@@ -56,15 +56,17 @@ def test_mirrored_step_time_smoke():
     rows = table(mlp, "| backend | devices | ours | ours ms/step |")
     devices = "2"  # the smoke run's comparison per backend: its multi-device one
     assert [row[:3] for row in rows] == [[BACKEND, devices, "ks.MirroredStrategy"],
-                                         [BACKEND, devices, "ks.CentralStorageStrategy"]], rows
-    assert rows[1][4] == "ks.MirroredStrategy", rows
+                                         [BACKEND, devices, "ks.CentralStorageStrategy"],
+                                         [BACKEND, devices, "ks.MirroredStrategy custom loop"]], rows
+    assert rows[1][4] == rows[2][4] == "ks.MirroredStrategy", rows
     cnn_rows = table(cnn, "| backend | devices | ours | ours ms/step |")
     assert [row[:3] for row in cnn_rows] == [[BACKEND, devices, "ks.MirroredStrategy"]], cnn_rows
     for row in rows + cnn_rows:
         ours, baseline, ratio = row[3], row[5], row[6]
         assert is_number(ours) and is_number(baseline) and is_number(ratio), rows + cnn_rows
     memory = table(mlp, "| backend | devices | run | peak RSS MiB |")
-    assert {row[0] for row in memory} == {BACKEND} and len(memory) == 3, memory  # ours, the baseline, CentralStorage
+    # ours, the baseline, CentralStorage, the custom loop
+    assert {row[0] for row in memory} == {BACKEND} and len(memory) == 4, memory
     assert all(is_number(row[3]) and is_number(row[4].lstrip("-")) for row in memory), memory
     for part in (mlp, cnn):
         assert table(part, "| backend | devices | train_step ms |")[0][0] == BACKEND  # the breakdown ran

@@ -81,14 +81,15 @@ def test_a_step_on_shards_of_one_size_is_one_compiled_program_on_jax():
 
 
 class MergingTrainStep(OwnTrainStep):
-    """A step that calls `merge_call`, which a compiled JAX replica program cannot run."""
+    """A step that calls `merge_call`: in a compiled JAX replica program every device runs the
+    merge function on the replicas' values gathered."""
 
     def train_step(self, *args):
         ks.get_replica_context().merge_call(lambda strategy: None)
         return super().train_step(*args)
 
 
-def test_a_step_that_cannot_be_compiled_runs_eagerly_after_one_warning_and_trains_like_one_device():
+def test_a_step_that_calls_merge_call_trains_like_one_device_without_a_warning():
     x, y = regression_data(16)
 
     def build_merging():
@@ -100,11 +101,35 @@ def test_a_step_that_cannot_be_compiled_runs_eagerly_after_one_warning_and_train
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert_same_fit(build_merging, x, y, batch_size=8, replicas=2)
+    assert not [str(w.message) for w in caught if "could not be compiled" in str(w.message)]
+
+
+class PythonValueTrainStep(OwnTrainStep):
+    """A step that needs its replica's id as a Python number, which a compiled JAX replica program
+    (one trace for every device) does not have."""
+
+    def train_step(self, *args):
+        if int(ks.get_replica_context().replica_id_in_sync_group) < 0:
+            raise AssertionError("never")
+        return super().train_step(*args)
+
+
+def test_a_step_that_cannot_be_compiled_runs_eagerly_after_one_warning_and_trains_like_one_device():
+    x, y = regression_data(16)
+
+    def build_reading():
+        inputs = keras.Input((3,))
+        model = PythonValueTrainStep(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05))
+        return model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_fit(build_reading, x, y, batch_size=8, replicas=2)
     compiled_warnings = [str(w.message) for w in caught if "could not be compiled" in str(w.message)]
     if keras.backend.backend() == "jax":
         assert len(compiled_warnings) == 1, compiled_warnings
-        assert "train_step" in compiled_warnings[0] and "NotImplementedError" in compiled_warnings[0]
-        assert "merge_call" in compiled_warnings[0]
+        assert "train_step" in compiled_warnings[0] and "Concretization" in compiled_warnings[0], compiled_warnings[0]
     else:  # TensorFlow's and PyTorch's steps run eagerly anyway
         assert not compiled_warnings
 

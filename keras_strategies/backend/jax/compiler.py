@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_strategies.backend.common.replica_variables import outside_stateless_scopes
 from keras_strategies.backend.jax import replicas
 from keras_strategies.backend.jax.devices import jax_device
+
+
+# Whether `ks.function` traces a custom step over its variables' state (`custom_step_program`).
+TRACES_CUSTOM_STEPS = True
 
 
 def compile_function(fn: Callable) -> Callable:
@@ -19,16 +25,14 @@ def compile_function(fn: Callable) -> Callable:
 
 
 def compile_step(fn: Callable) -> Callable:
-    """A user's distributed step runs eagerly: it updates stateful Keras variables,
-    which `jax.jit` cannot trace (Keras' fit uses stateless steps instead)."""
+    """A user's distributed step as it is: `custom_step_program` compiles it where it can
+    (`distribute/traced_function.py`); this is what runs otherwise, eagerly."""
     return fn
 
 
 def compile_stateful(fn: Callable, state_variables: Sequence[Any]) -> Callable:
     """Compiles `fn`, which updates `state_variables` (e.g. metric state), as Keras' JAX
     trainer does: run statelessly under `jax.jit`, then assign the new values."""
-    from keras.src.backend.common.stateless_scope import StatelessScope
-
     state_variables = list(state_variables)
 
     def pure(values, *args):
@@ -78,8 +82,6 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     once on its device) `fn` runs as it is: its replica program, its update
     and its metric update are jitted each on their own.
     """
-    from keras.src.backend.common.stateless_scope import StatelessScope
-
     if not keep_copies:
         return fn
 
@@ -179,11 +181,137 @@ def _is_on(value: Any, sharding: Any) -> bool:
     return isinstance(value, jax.Array) and value.sharding == sharding
 
 
-def outside_compiled() -> contextlib.AbstractContextManager:
-    """Nothing to leave: a user's step runs eagerly here (see `compile_step`)."""
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def outside_compiled() -> Iterator[None]:
+    """Runs its block outside any trace and stateless scope (as TensorFlow's `init_scope`):
+    variables created there (an optimizer's, first used inside a compiled step) exist once,
+    with concrete initial values."""
+    with outside_stateless_scopes(), jax.ensure_compile_time_eval():
+        yield
 
 
 def outside_replicas() -> contextlib.AbstractContextManager:
-    """Nothing to leave: replicas here run eagerly and create plain variables."""
-    return contextlib.nullcontext()
+    """Computes its block's values concretely, also inside a compiled replica program: a
+    variable a replica creates there gets concrete initial values."""
+    return jax.ensure_compile_time_eval()
+
+
+class _StepScope(StatelessScope):
+    """A compiled custom step's scope over the values of its variables: it notes every other
+    variable that the step reads or assigns (`unmapped`), which the step needs as state too."""
+
+    def __init__(self, state_mapping: list):
+        super().__init__(state_mapping=state_mapping)
+        self.given = dict(self.state_mapping)
+        self.unmapped: dict = {}
+
+    def get_current_value(self, variable: Any) -> Any:
+        value = super().get_current_value(variable)
+        if value is None:
+            self.unmapped[id(variable)] = variable
+        return value
+
+    def add_update(self, update: tuple) -> None:
+        super().add_update(update)
+        if id(update[0]) not in self.given:
+            self.unmapped[id(update[0])] = update[0]
+
+
+class CustomStepProgram:
+    """A custom training step (`ks.function`) compiled as one program over the replicas' mesh.
+
+    `body(stacked, replicated)` runs on every device (`shard_map`): `stacked`
+    holds each device's block of the per-replica arguments, `replicated` the
+    arguments every replica shares. It is traced statelessly over the values
+    of the variables it reads and writes, as Keras' own JAX trainer traces
+    its step; those variables are found by tracing (a first trace notes them,
+    the program is traced again with them as its state). Their values stay on
+    the mesh between calls: a variable still holding what the last call left
+    needs no transfer. Variables read back on the first device, where eager
+    code expects them. One program per `key` (the arguments' signature).
+    """
+
+    def __init__(self, devices: Sequence[str]):
+        self._mesh = mesh = replicas.mesh_of(devices)
+        self._on_mesh, self._split = NamedSharding(mesh, P()), NamedSharding(mesh, P(replicas.AXIS))
+        self._first = mesh.devices.flat[0]
+        self._programs: dict = {}  # key -> (variables, the jitted program)
+        self._on_mesh_copies: dict = {}  # id(variable) -> (its value on the first device, that value on the mesh)
+
+    def _traced(self, body: Callable, variables: list) -> tuple[Callable, list]:
+        """The jitted program of `body` over `variables`, and the other variables its trace touched."""
+        found: list = []
+
+        def on_each_device(values, stacked, replicated):
+            with _StepScope(list(zip(variables, values))) as scope:
+                output = body(stacked, replicated)
+            found[:] = list(scope.unmapped.values())
+            new_values = [scope.state_mapping[id(v)] for v in variables]
+            # Only what the step assigned comes back (None: an empty pytree, no output).
+            return output, [None if new is scope.given[id(v)] else new for v, new in zip(variables, new_values)]
+
+        program = jax.shard_map(on_each_device, mesh=self._mesh, in_specs=(P(), P(replicas.AXIS), P()),
+                                out_specs=P(), check_vma=False)
+        return jax.jit(program), found
+
+    def __call__(self, body: Callable, key: Any, stacked: list, replicated: list, variables: Sequence[Any]) -> Any:
+        """`body`'s output for these arguments, its assignments made; `variables` (or those found
+        by tracing, for a new `key`) are its state."""
+        entry = self._programs.get(key)
+        if entry is None:
+            state = list(variables)
+            for _ in range(4):  # a trace may create variables (an optimizer's), which the next one maps
+                program, found = self._traced(body, state)
+                args = self._placed(state, stacked, replicated)
+                program.trace(*args)
+                if not found:
+                    break
+                state += [v for v in found if all(v is not s for s in state)]
+            else:
+                raise RuntimeError("The step kept touching new variables at every trace.")
+            entry = self._programs[key] = (state, program)
+        state, program = entry
+        values, stacked, replicated = self._placed(state, stacked, replicated)
+        output, new_values = replicas.dispatch(self._mesh, program, values, stacked, replicated)
+        for variable, value in zip(state, new_values):
+            if value is not None:
+                own = self._own_copy(value)
+                variable.assign(own)
+                self._on_mesh_copies[id(variable)] = (variable.value, value)
+        return jax.tree_util.tree_map(self._own_copy, output)
+
+    def _own_copy(self, value: jax.Array) -> jax.Array:
+        """The first device's copy of a value replicated on the mesh (no transfer)."""
+        for shard in value.addressable_shards:
+            if shard.device == self._first:
+                return shard.data
+        return jax.device_put(value, self._first)
+
+    def _placed(self, state: list, stacked: list, replicated: list) -> tuple:
+        """The state's values, the stacked and the replicated arguments on the mesh: one transfer."""
+        values, moving = [], []
+        for i, variable in enumerate(state):
+            value = variable.value
+            kept = self._on_mesh_copies.get(id(variable))
+            if kept is not None and kept[0] is value:
+                value = kept[1]
+            elif not _is_on(value, self._on_mesh):
+                moving.append(i)
+            values.append(value)
+        moved, stacked, replicated = jax.device_put(
+            ([values[i] for i in moving], list(stacked), list(replicated)), (self._on_mesh, self._split, self._on_mesh)
+        )
+        for i, value in zip(moving, moved):
+            values[i] = value
+        return values, stacked, replicated
+
+
+def trace_only(fn: Callable[[], Any]) -> None:
+    """Traces `fn` without running it (a step is probed for the strategy it runs on)."""
+    jax.make_jaxpr(lambda: [fn(), 0][1])()
+
+
+def custom_step_program(devices: Sequence[str]) -> Optional[CustomStepProgram]:
+    """What compiles a custom step over `devices` (`distribute/traced_function.py`)."""
+    return CustomStepProgram(devices)
+

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
 from keras_strategies.backend.common import replica_threads
+from keras_strategies.backend.common.replica_variables import FIRST
 from keras_strategies.backend.jax import nccl, shared_state
 from keras_strategies.backend.jax.devices import device_of, device_scope, jax_device
 
@@ -215,13 +216,42 @@ def all_gather(value: Any, axis: int) -> Any:
 
 
 def merge_call(fn: Callable[[list], Any], value: Any) -> Any:
-    """`fn(values of every replica)` once, its result returned to every replica (eager threads only)."""
+    """`fn(values of every replica)` once, its result returned to every replica.
+
+    Between eager replica threads one replica runs it. In a compiled replica
+    program every device runs it on the replicas' values gathered (the same
+    on every device), so each gets the same result, as each applies the same
+    update to its own copy of the state.
+    """
     if _in_replica_program["active"]:
-        raise NotImplementedError(
-            "merge_call is not available inside a compiled JAX replica program: every replica "
-            "runs the same traced code. Use all_reduce, or call strategy.run eagerly."
-        )
+        count = _in_replica_program["devices"]
+
+        def of_each_replica(leaf: Any) -> list:
+            if not isinstance(leaf, (jax.Array, jax.core.Tracer)):
+                return [leaf] * count
+            gathered = jax.lax.all_gather(leaf, AXIS)
+            return [gathered[i] for i in range(count)]
+
+        per_leaf = [of_each_replica(leaf) for leaf in tree.flatten(value)]
+        return fn([tree.pack_sequence_as(value, [copies[i] for copies in per_leaf]) for i in range(count)])
     return replica_threads.merge_call(fn, value)
+
+
+def combine_writes_in_program(items: list) -> list:
+    """Every replica's `(variable, kind, value, weight)` writes combined, inside a compiled replica
+    program: changes and weighted values summed, weights summed, FIRST values taken from replica 0."""
+    if not items:
+        return items
+    summed = [i for i, (_, kind, _, _) in enumerate(items) if kind != FIRST]
+    weights = jnp.stack([jnp.asarray(weight, "float32") for *_, weight in items])
+    totals, weights = jax.lax.psum(([items[i][2] for i in summed], weights), AXIS)
+    values = [None] * len(items)
+    for i, total in zip(summed, totals):
+        values[i] = total
+    for i, (_, kind, value, _) in enumerate(items):
+        if kind == FIRST:
+            values[i] = jax.lax.all_gather(value, AXIS)[0]
+    return [(variable, kind, values[i], weights[i]) for i, (variable, kind, _, _) in enumerate(items)]
 
 
 def replica_view(value: Any, device: str) -> jax.Array:
@@ -316,7 +346,7 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         outputs, shared_ids = run_own_replica(shared, shards.stacked)
         per_replica: list = [[] for _ in devices]
         for leaf in tree.flatten(outputs):
-            if leaf is None or id(leaf) in shared_ids:
+            if not isinstance(leaf, (jax.Array, jax.core.Tracer)) or id(leaf) in shared_ids:
                 copies = [leaf] * count
             else:
                 gathered = jax.lax.all_gather(leaf, AXIS)

@@ -10,6 +10,11 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 
+# Whether `ks.function` traces a custom step over its variables' state: no, `compile_step`
+# compiles it as a whole (`tf.function`).
+TRACES_CUSTOM_STEPS = False
+
+
 def compile_function(fn: Callable) -> Callable:
     return tf.function(fn, reduce_retracing=True, autograph=False)
 
@@ -93,3 +98,4 @@ def settle(variables: Sequence[Any], device: str) -> None:
 def step_group(compiled_step: Callable) -> None:
     """None: each step of a `steps_per_execution` group runs on its own here."""
     return None
+

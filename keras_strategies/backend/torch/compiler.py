@@ -6,6 +6,10 @@ import contextlib
 from typing import Any, Callable, Optional, Sequence
 
 
+# Whether `ks.function` traces a custom step over its variables' state: no, it runs as it is.
+TRACES_CUSTOM_STEPS = False
+
+
 def compile_function(fn: Callable) -> Callable:
     return fn
 
@@ -49,3 +53,4 @@ def settle(variables: Sequence[Any], device: str) -> None:
 def step_group(compiled_step: Callable) -> None:
     """None: each step of a `steps_per_execution` group runs on its own here."""
     return None
+
