@@ -243,6 +243,14 @@ class ReplicaContext:
         self._loss_share = None
         self._padding_weight = None
         self._scalar_loss = False
+        # Set by a custom step compiled with padded shards (`traced_function.py`): the ids of
+        # variables whose writes leave the padding rows out (masked metrics and statistics, seeds).
+        self._rows_left_out: Optional[set] = None
+
+    def _leaves_rows_out(self, variables: Any) -> None:
+        """Notes that this replica's writes of `variables` leave the padding rows out."""
+        if self._rows_left_out is not None:
+            self._rows_left_out.update(id(v) for v in variables)
 
     @property
     def strategy(self) -> Strategy:

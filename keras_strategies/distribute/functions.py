@@ -3,8 +3,9 @@
 `ks.value_and_grad(loss_fn, variables)` is the one recommended way to take
 gradients inside `strategy.run` on every backend (a tape cannot work on JAX,
 which differentiates functions). `ks.function` compiles a distributed step
-where the backend can: `tf.function` on TensorFlow; JAX and PyTorch run the
-step eagerly (Keras variables are stateful, which `jax.jit` cannot trace).
+where the backend can: `tf.function` on TensorFlow; on JAX one program over
+the replicas, traced over the state of the variables the step uses
+(`traced_function.py`); PyTorch runs the step as it is.
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ def value_and_grad(fn: Callable[..., Any], variables: Sequence[Any], *args: Any,
 def function(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Compiles a training step that calls `strategy.run`, where the backend can.
 
-    `tf.function` on TensorFlow; JAX and PyTorch run the step eagerly
-    (Keras variables are stateful, which `jax.jit` cannot trace). Use it
-    where TensorFlow's guides use `@tf.function`. Before each call, variables
+    `tf.function` on TensorFlow. On JAX one program over the strategy's
+    devices, traced over the values of the variables the step reads and
+    writes; shards of a partial batch are padded to the compiled shape with
+    a row mask, and a step JAX cannot trace runs eagerly after a one-time
+    warning. PyTorch runs the step as it is. Use it where TensorFlow's guides
+    use `@tf.function`. Before each call, variables
     created since the last call are given the chief's values (multi-worker
     strategies), which cannot happen inside a compiled function.
 

@@ -13,6 +13,7 @@ import numpy as np
 from keras import ops
 
 from keras_strategies.distribute import context
+from keras_strategies.keras_integration.row_mask import spread_rows
 
 
 def _check_replica_context(name: str) -> None:
@@ -118,14 +119,28 @@ def compute_average_loss(
         weights = ops.cast(ops.convert_to_tensor(sample_weight), "float32")
         losses = ops.multiply(losses, _match_weight_rank(losses, weights))
     losses = ops.cast(losses, input_dtype)
+    mask = _row_mask_of(losses)
+    rows = ops.shape(losses)[0]
+    if mask is not None:  # a padded shard of a compiled step: its padding rows count nowhere
+        losses = ops.multiply(losses, spread_rows(mask, losses))
+        rows = ops.sum(ops.cast(mask, "int32"))
     if global_batch_size is None:
         _check_replica_context("compute_average_loss")
         num_replicas = context.get_strategy().num_replicas_in_sync
-        global_batch_size = ops.shape(losses)[0] * num_replicas
+        global_batch_size = rows * num_replicas
     else:
         _check_global_batch_size(global_batch_size)
     total = ops.sum(losses)
     return ops.divide_no_nan(total, ops.cast(global_batch_size, input_dtype))
+
+
+def _row_mask_of(losses: Any) -> Any:
+    """The replica's row mask when `losses` are per-row losses of a padded shard, else None."""
+    replica_context = context.get_replica_context() if context.has_strategy() else None
+    mask = None if replica_context is None else replica_context._row_mask
+    if mask is None or tuple(losses.shape[:1]) != tuple(mask.shape):
+        return None
+    return mask
 
 
 def scale_regularization_loss(regularization_loss: Any):

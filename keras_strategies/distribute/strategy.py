@@ -28,6 +28,7 @@ from keras_strategies.distribute.values import (
     is_distributed,
     map_structure,
     regroup,
+    tag_strategy,
     select_replica,
 )
 
@@ -569,7 +570,6 @@ class Strategy:
             )
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"`kwargs` of `strategy.run` must be a dict, got {type(kwargs).__name__}.")
-        traced_function.note_run(self)
         return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Optional[int]) -> Any:
@@ -593,6 +593,8 @@ class Strategy:
             1.0
         """
         op = ReduceOp.parse(reduce_op)
+        if axis is not None:
+            traced_function.note_rows_enter("strategy.reduce along an axis of per-replica rows", value)
         return map_structure(lambda v: self._extended._reduce(op, v, axis), value)
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -607,6 +609,7 @@ class Strategy:
         if context.get_replica_context() is not None and not is_default(self) and context.has_strategy():
             raise RuntimeError("`strategy.gather` is for cross-replica context; inside `run` use "
                                "`ks.get_replica_context().all_gather`.")
+        traced_function.note_rows_enter("strategy.gather of per-replica rows", value)
         return map_structure(lambda v: self._extended._gather(v, axis), value)
 
     def experimental_local_results(self, value: Any) -> tuple:
@@ -719,7 +722,7 @@ class Strategy:
         for replica_id, device in enumerate(devices):
             with engine.devices.device_scope(device):
                 values.append(value_fn(ValueContext(first + replica_id, self.num_replicas_in_sync)))
-        return values[0] if len(values) == 1 else PerReplica(values)
+        return values[0] if len(values) == 1 else tag_strategy(PerReplica(values), self)
 
     def group(self, value: Any, name: Optional[str] = None) -> Any:
         """The local results of `value` (TensorFlow groups them into one op; eager code needs nothing).
@@ -752,7 +755,6 @@ class _DefaultStrategy(Strategy):
         super().__init__(_DefaultExtended(self, ["cpu:0"]))
 
     def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, options: Any = None) -> Any:
-        traced_function.note_run(self)
         with context.enter_frame(self, self._default_replica_context):
             return fn(*args, **(kwargs or {}))
 

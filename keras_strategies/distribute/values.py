@@ -136,6 +136,15 @@ def _same_python_value(values: Sequence[Any]) -> bool:
     return False
 
 
+def tag_strategy(structure: Any, strategy: Any) -> Any:
+    """`structure`, its distributed values noted as `strategy`'s (a compiled step finds its
+    strategy by them: `traced_function.py`)."""
+    for leaf in flatten(structure):
+        if isinstance(leaf, DistributedValues):
+            leaf._ks_strategy = strategy
+    return structure
+
+
 def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, arrays_stay_distributed: bool = False) -> Any:
     """Inverse of `select_replica`: a list of per-replica structures becomes one structure.
 

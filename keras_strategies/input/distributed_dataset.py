@@ -24,7 +24,7 @@ from keras.src import tree
 from keras_strategies.backend import engine
 from keras_strategies.input.options import InputContext, InputOptions, InputReplicationMode
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
-from keras_strategies.distribute.values import PerReplica, regroup
+from keras_strategies.distribute.values import PerReplica, regroup, tag_strategy
 
 
 def _batches(source: Any) -> Iterator[Any]:
@@ -172,7 +172,7 @@ class DistributedDataset:
             return engine.devices.copy_to(tensor, device) if fetch else tensor
 
         placed = [tree.map_structure(lambda leaf: place(leaf, d), v) for v, d in zip(per_replica_values, self._devices)]
-        return placed[0] if len(placed) == 1 else regroup(placed, PerReplica)
+        return placed[0] if len(placed) == 1 else tag_strategy(regroup(placed, PerReplica), self._strategy)
 
     def _next_on_every_worker(self, batches: Iterator[Any]) -> Any:
         """The next element; with several workers, iteration ends only when every worker's ends.

@@ -55,7 +55,12 @@ def _wrap_moments(original: Callable) -> Callable:
         replica_context = context.get_replica_context()
         in_program = replica_context is not None and replica_context._in_program
         if in_program and (replica_context._row_mask is not None or self.synchronized):
+            replica_context._leaves_rows_out([self.moving_mean, self.moving_variance])
             synchronized = self.synchronized and replica_context.num_replicas_in_sync > 1
+            if not synchronized and replica_context._row_mask is not None:
+                # A replica whose shard is all padding does not count in the mean of the statistics.
+                weigh_writes([self.moving_mean, self.moving_variance],
+                             lambda: ops.cast(ops.greater(ops.sum(replica_context._row_mask), 0), "float32"))
             return _replica_moments(self, inputs, mask, replica_context, synchronized)
         if replica_context is not None and replica_context.num_replicas_in_sync > 1:
             # Own statistics per replica, averaged into the moving ones at the end of the run:

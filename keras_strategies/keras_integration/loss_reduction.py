@@ -23,7 +23,9 @@ exact, per loss, also in models mixing reductions:
   weight can leave padding rows out of it.
 
 Outside our replica programs (no `_loss_share` on the replica context) Keras'
-functions run unchanged.
+functions run unchanged; in a custom step compiled with padded shards
+(`distribute/traced_function.py`) a loss reduced over the rows is noted, so
+that the step runs its uneven batches eagerly.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Callable, Optional
 from keras import ops
 from keras.src.losses import loss as keras_loss
 
-from keras_strategies.distribute import context
+from keras_strategies.distribute import context, traced_function
 from keras_strategies.keras_integration.row_mask import spread_rows
 
 def enter_replica_loss(share: Any, row_mask: Any, sample_weight: Any) -> Any:
@@ -90,6 +92,8 @@ def _wrap_weighted(original: Callable) -> Callable:
     def reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
         replica_context = _replica_context()
         if replica_context is None:
+            if reduction not in (None, "none"):
+                traced_function.note_rows_enter("a Keras loss reduces the shard's rows itself")
             return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
         values = ops.convert_to_tensor(values, dtype=dtype)
         padding = sample_weight is not None and sample_weight is replica_context._padding_weight

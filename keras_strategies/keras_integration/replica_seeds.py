@@ -49,6 +49,7 @@ def _wrap_next(original: Callable) -> Callable:
         replica = context.get_replica_context() if context.has_strategy() else None
         if replica is None or replica.num_replicas_in_sync == 1:
             return seed
+        replica._leaves_rows_out([self.state])  # a counter: no rows in it
         return replica_offset(seed, replica.replica_id_in_sync_group)
 
     next._ks_original = original

@@ -63,11 +63,17 @@ class MirroredExtended(StrategyExtended):
         strategy = self._container
         writes = ReplicaWrites(self._devices[:1], lambda value, device: value, lambda value, primary: value, record=True)
 
+        row_mask = traced_function.traced_row_mask()
+
         def replica(replica_id, *_):
-            replica_context = context.ReplicaContext(strategy, replica_id, in_program=True)
+            replica_context = context.ReplicaContext(strategy, replica_id, row_mask=row_mask, in_program=True)
+            if row_mask is not None:
+                replica_context._rows_left_out = set()
             with context.enter_frame(strategy, replica_context):
                 with writes.scope(0):
                     output = fn(*select_replica(0, args), **select_replica(0, kwargs))
+                if row_mask is not None and any(id(v) not in replica_context._rows_left_out for v in writes.written(0)):
+                    traced_function.note_rows_enter("the replica function writes state from the rows")
                 writes.combine(engine.replicas.combine_writes_in_program)
             return output
 
@@ -116,6 +122,7 @@ class MirroredExtended(StrategyExtended):
                 "ReplicaContext.all_gather needs the replicas to run together, inside "
                 "strategy.run or a Keras step of this strategy."
             )
+        traced_function.note_rows_enter("an all_gather of the shard's rows", value)
         return map_structure(lambda leaf: engine.replicas.all_gather(leaf, axis), value)
 
     def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:

@@ -165,6 +165,11 @@ class ReplicaWrites:
         scope = self._scopes[replica_id] = ReplicaScope(self._devices[replica_id], self._view)
         return scope
 
+    def written(self, replica_id: int) -> list:
+        """The variables replica `replica_id` wrote in this run (before `combine`)."""
+        scope = self._scopes.get(replica_id)
+        return [] if scope is None else list(scope.assigned.values())
+
     def combine(self, across_workers: Optional[Callable[[list], list]] = None) -> None:
         """Merges the replicas' writes into the primaries (after every replica has finished).
 

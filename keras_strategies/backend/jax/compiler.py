@@ -254,23 +254,24 @@ class CustomStepProgram:
                                 out_specs=P(), check_vma=False)
         return jax.jit(program), found
 
-    def __call__(self, body: Callable, key: Any, stacked: list, replicated: list, variables: Sequence[Any]) -> Any:
-        """`body`'s output for these arguments, its assignments made; `variables` (or those found
-        by tracing, for a new `key`) are its state."""
-        entry = self._programs.get(key)
-        if entry is None:
-            state = list(variables)
-            for _ in range(4):  # a trace may create variables (an optimizer's), which the next one maps
-                program, found = self._traced(body, state)
-                args = self._placed(state, stacked, replicated)
-                program.trace(*args)
-                if not found:
-                    break
-                state += [v for v in found if all(v is not s for s in state)]
-            else:
-                raise RuntimeError("The step kept touching new variables at every trace.")
-            entry = self._programs[key] = (state, program)
-        state, program = entry
+    def prepare(self, body: Callable, key: Any, stacked: list, replicated: list, variables: Sequence[Any]) -> None:
+        """Traces `body` for `key` (once): `variables` and those the traces find are its state."""
+        if key in self._programs:
+            return
+        state = list(variables)
+        for _ in range(4):  # a trace may create variables (an optimizer's), which the next one maps
+            program, found = self._traced(body, state)
+            program.trace(*self._placed(state, stacked, replicated))
+            if not found:
+                break
+            state += [v for v in found if all(v is not s for s in state)]
+        else:
+            raise RuntimeError("The step kept touching new variables at every trace.")
+        self._programs[key] = (state, program)
+
+    def __call__(self, key: Any, stacked: list, replicated: list) -> Any:
+        """The output of the program prepared for `key` on these arguments, its assignments made."""
+        state, program = self._programs[key]
         values, stacked, replicated = self._placed(state, stacked, replicated)
         output, new_values = replicas.dispatch(self._mesh, program, values, stacked, replicated)
         for variable, value in zip(state, new_values):
@@ -304,11 +305,6 @@ class CustomStepProgram:
         for i, value in zip(moving, moved):
             values[i] = value
         return values, stacked, replicated
-
-
-def trace_only(fn: Callable[[], Any]) -> None:
-    """Traces `fn` without running it (a step is probed for the strategy it runs on)."""
-    jax.make_jaxpr(lambda: [fn(), 0][1])()
 
 
 def custom_step_program(devices: Sequence[str]) -> Optional[CustomStepProgram]:

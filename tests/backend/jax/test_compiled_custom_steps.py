@@ -10,6 +10,7 @@ metrics and Dropout, where the variables are afterwards, and which steps run
 eagerly instead (with a warning when the step cannot be traced).
 """
 
+import contextlib
 import warnings
 
 import jax
@@ -30,69 +31,85 @@ def _data(rows=64):
     return rng.normal(size=(rows, 4)).astype("float32"), rng.normal(size=(rows, 1)).astype("float32")
 
 
-def _model(dropout=0.0):
+def _model(dropout=0.0, batch_norm=False):
     keras.utils.set_random_seed(2)
     layers = [keras.Input((4,)), keras.layers.Dense(8, activation="relu")]
     if dropout:
         layers.append(keras.layers.Dropout(dropout, seed=4))
+    if batch_norm:  # synchronized: the global batch's statistics, as on one device
+        layers.append(keras.layers.BatchNormalization(synchronized=True))
     return keras.Sequential(layers + [keras.layers.Dense(1)])
 
 
-def _guide_loop(strategy, epochs=2, dropout=0.0, rows=64):
+def _guide_loop(strategy, epochs=2, dropout=0.0, rows=64, batch_norm=False, keras_loss_mean=False):
     """The guide's loop: a loss metric and a metric of the predictions, Adam; returns what it
-    logged, the replica function's Python calls and the final weights."""
+    logged, the replica function's Python calls, the final weights, the model and the shapes of
+    the last step's per-replica predictions.
+
+    The steps are called outside the strategy's scope, as in the guide (the step finds its
+    strategy by its distributed arguments), except on one device, whose dataset elements are
+    plain arrays: there the strategy is the scope's."""
     with strategy.scope():
-        model = _model(dropout)
+        model = _model(dropout, batch_norm)
         optimizer = keras.optimizers.Adam(0.01)
         error = keras.metrics.MeanAbsoluteError()
         mean_loss = keras.metrics.Mean()
     calls = {"replica": 0}
+    replicas_in_sync = strategy.num_replicas_in_sync
 
     def replica_step(x, y):
         calls["replica"] += 1
 
         def loss_fn():
             predictions = model(x, training=True)
+            if keras_loss_mean:  # the shard's own mean (what TensorFlow's guide warns against)
+                return keras.losses.MeanSquaredError()(y, predictions) / replicas_in_sync, predictions
             per_example = keras.losses.mean_squared_error(y, predictions)
             return ks.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH), predictions
 
         (loss, predictions), grads = ks.value_and_grad(loss_fn, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         error.update_state(y, predictions)
-        return loss
+        return loss, predictions
 
     @ks.function
     def train_step(x, y):
-        loss = strategy.reduce("sum", strategy.run(replica_step, args=(x, y)), axis=None)
+        losses, predictions = strategy.run(replica_step, args=(x, y))
+        loss = strategy.reduce("sum", losses, axis=None)
         mean_loss.update_state(loss)
-        return loss
+        return loss, predictions
 
     dataset = strategy.make_experimental_numpy_dataset(_data(rows)).batch(GLOBAL_BATCH)
     losses = []
-    for _ in range(epochs):
-        for x, y in strategy.experimental_distribute_dataset(dataset):
-            losses.append(float(ops.convert_to_numpy(train_step(x, y))))
+    with strategy.scope() if replicas_in_sync == 1 else contextlib.nullcontext():
+        for _ in range(epochs):
+            for x, y in strategy.experimental_distribute_dataset(dataset):
+                loss, predictions = train_step(x, y)
+                losses.append(float(ops.convert_to_numpy(loss)))
+    shapes = [tuple(p.shape) for p in strategy.experimental_local_results(predictions)]
     logged = [float(ops.convert_to_numpy(m.result())) for m in (mean_loss, error)]
-    return losses, logged, calls["replica"], [ops.convert_to_numpy(w) for w in model.weights], model
+    return losses, logged, calls["replica"], [ops.convert_to_numpy(w) for w in model.weights], model, shapes
+
+
+def _assert_alike(got, expected):
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-6)  # losses
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-6)  # logged metrics
+    for weight, expected_weight in zip(got[3], expected[3]):
+        np.testing.assert_allclose(weight, expected_weight, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
 def test_the_guide_step_is_compiled_once_and_trains_like_one_device(dropout):
-    losses, logged, replica_calls, weights, _ = _guide_loop(ks.MirroredStrategy(DEVICES), dropout=dropout)
-    expected_losses, expected_logged, eager_calls, expected_weights, _ = _guide_loop(
-        ks.OneDeviceStrategy("cpu:0"), dropout=dropout
-    )
-    assert len(losses) == 8
+    got = _guide_loop(ks.MirroredStrategy(DEVICES), dropout=dropout)
+    expected = _guide_loop(ks.OneDeviceStrategy("cpu:0"), dropout=dropout)
+    assert len(got[0]) == 8
     # Replica code runs in Python only while the step is traced (twice: once to find the
     # variables it touches, once over them), not once per replica and step.
-    assert replica_calls <= 2
-    assert eager_calls <= 2  # one device: compiled too
+    assert got[2] <= 2
+    assert expected[2] <= 2  # one device, in its scope: compiled too
     if not dropout:  # replicas draw other random numbers than one device does, as in `fit`
-        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(logged, expected_logged, rtol=1e-5, atol=1e-6)
-        for got, expected in zip(weights, expected_weights):
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert np.all(np.isfinite(losses))
+        _assert_alike(got, expected)
+    assert np.all(np.isfinite(got[0]))
 
 
 def test_each_step_is_one_program_and_the_variables_are_read_on_the_first_device(monkeypatch):
@@ -104,7 +121,7 @@ def test_each_step_is_one_program_and_the_variables_are_read_on_the_first_device
         return dispatch(*args, **kwargs)
 
     monkeypatch.setattr(replicas, "dispatch", counted)
-    _, _, _, _, model = _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1)
+    model = _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1)[4]
     assert counts["programs"] == 4  # one per step
     first = replicas.mesh_of(DEVICES).devices.flat[0]
     for variable in model.weights:
@@ -139,6 +156,8 @@ def test_a_step_with_python_control_flow_on_values_runs_eagerly_with_a_warning()
 
 
 def test_a_step_that_iterates_its_dataset_inside_runs_eagerly_and_loses_no_batch():
+    # Given no distributed value and called outside every scope, the step is not compiled: its
+    # Python code (here `next`) runs once per call, as written.
     strategy = ks.MirroredStrategy(DEVICES[:2])
     dataset = strategy.make_experimental_numpy_dataset(np.arange(12, dtype="float32").reshape(12, 1)).batch(4)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
@@ -147,9 +166,14 @@ def test_a_step_that_iterates_its_dataset_inside_runs_eagerly_and_loses_no_batch
     def step():
         return strategy.reduce("sum", strategy.run(lambda x: ops.sum(x), args=(next(iterator),)), axis=None)
 
-    with pytest.warns(UserWarning, match="cannot be iterated inside a compiled function"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         sums = [float(ops.convert_to_numpy(step())) for _ in range(3)]
     assert sums == [6.0, 22.0, 38.0]
+    with strategy.scope(), pytest.warns(UserWarning, match="cannot be iterated inside a compiled function"):
+        # In the strategy's scope it is traced, which refuses to read the dataset, and runs eagerly.
+        iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        assert float(ops.convert_to_numpy(step())) == 6.0
 
 
 def test_central_storage_steps_run_eagerly_without_a_warning():
@@ -161,11 +185,30 @@ def test_central_storage_steps_run_eagerly_without_a_warning():
         assert float(ops.convert_to_numpy(step(values))) == 4.0
 
 
-def test_uneven_shards_run_eagerly_and_exactly():
-    # 18 rows: the last global batch (2 rows) gives replicas 1, 1, 0, 0 rows.
-    losses, logged, _, weights, _ = _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1, rows=18)
-    expected_losses, expected_logged, _, expected_weights, _ = _guide_loop(ks.OneDeviceStrategy("cpu:0"), epochs=1, rows=18)
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(logged, expected_logged, rtol=1e-5, atol=1e-6)
-    for got, expected in zip(weights, expected_weights):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("batch_norm", [False, True])
+def test_a_partial_last_batch_is_padded_into_the_full_batches_program_and_trains_like_one_device(batch_norm, monkeypatch):
+    counts = {"programs": 0}
+    dispatch = replicas.dispatch
+
+    def counted(*args, **kwargs):
+        counts["programs"] += 1
+        return dispatch(*args, **kwargs)
+
+    monkeypatch.setattr(replicas, "dispatch", counted)
+    # 18 rows: the last global batch (2 rows) gives replicas 1, 1, 0 and 0 rows.
+    got = _guide_loop(ks.MirroredStrategy(DEVICES), rows=18, batch_norm=batch_norm)
+    assert counts["programs"] == 4  # every step, the partial ones too, one program
+    expected = _guide_loop(ks.OneDeviceStrategy("cpu:0"), rows=18, batch_norm=batch_norm)
+    assert got[2] <= 2  # no trace for the partial batch
+    _assert_alike(got, expected)
+    assert got[5] == [(1, 1), (1, 1), (0, 1), (0, 1)]  # per-replica outputs without their padding rows
+
+
+def test_a_step_whose_loss_reduces_the_rows_itself_runs_its_uneven_batches_eagerly(monkeypatch):
+    with pytest.warns(UserWarning, match="a Keras loss reduces the shard's rows itself"):
+        got = _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1, rows=37, keras_loss_mean=True)
+    assert got[5] == [(2, 1), (1, 1), (1, 1), (1, 1)]
+    from keras_strategies.backend import engine
+
+    monkeypatch.setattr(engine.compiler, "TRACES_CUSTOM_STEPS", False)  # every step eager
+    _assert_alike(got, _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1, rows=37, keras_loss_mean=True))
