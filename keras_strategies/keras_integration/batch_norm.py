@@ -67,6 +67,10 @@ def _wrap_moments(original: Callable) -> Callable:
             # a replica with an empty shard (whose statistics are NaN) does not count.
             weigh_writes([self.moving_mean, self.moving_variance],
                          lambda: ops.cast(ops.greater(ops.shape(inputs)[0], 0), "float32"))
+            if inputs.shape[0] == 0:
+                # Keras' statistics of no rows are NaN (0 / 0), and the normalisation's gradient
+                # for `gamma` multiplies the mean by a sum of no rows: NaN * 0 would reach the update.
+                return _replica_moments(self, inputs, mask, replica_context, synchronized=False)
         if self.synchronized and not engine.replicas.NATIVE_SYNC_BATCH_NORM:
             # One replica: the global statistics are the local ones.
             self.synchronized = False

@@ -264,6 +264,40 @@ def test_unsynchronized_batch_norm_ignores_replicas_with_empty_shards(in_functio
     np.testing.assert_allclose(ops.convert_to_numpy(bn.moving_variance), 0.25, atol=1e-6)
 
 
+def test_a_replica_without_rows_leaves_batch_norm_finite_and_adds_nothing():
+    # A global batch of 2 on 4 replicas: shards [1, 1, 0, 0]. The empty replicas' statistics
+    # would be NaN; their gradients must be 0, so the step equals the same step on 2 replicas.
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(2, 4)).astype("float32"), rng.normal(size=(2, 1)).astype("float32")
+
+    def trained(devices):
+        strategy = ks.MirroredStrategy(devices)
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                      keras.layers.Dense(1)])
+            optimizer = keras.optimizers.SGD(0.1)
+
+        def step(features, labels):
+            def loss_fn():
+                per_example = keras.losses.mean_squared_error(labels, model(features, training=True))
+                return ks.compute_average_loss(per_example, global_batch_size=2)
+
+            loss, grads = ks.value_and_grad(loss_fn, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        dataset = strategy.make_experimental_numpy_dataset((x, y)).batch(2)
+        for features, labels in strategy.experimental_distribute_dataset(dataset):
+            strategy.run(step, args=(features, labels))
+        return model.get_weights()
+
+    got, expected = trained(["cpu:0", "cpu:1", "cpu:2", "cpu:3"]), trained(["cpu:0", "cpu:1"])
+    assert all(np.all(np.isfinite(w)) for w in got)
+    for weight, expected_weight in zip(got, expected):
+        np.testing.assert_allclose(weight, expected_weight, **TOL)
+
+
 def activity_regularized_model():
     """A model whose activity regularizer adds a loss in `call` (`model.losses`)."""
     return keras.Sequential([

@@ -303,6 +303,7 @@ class CustomStepProgram:
             ([values[i] for i in moving], list(stacked), list(replicated)), (self._on_mesh, self._split, self._on_mesh)
         )
         for i, value in zip(moving, moved):
+            self._on_mesh_copies[id(state[i])] = (values[i], value)  # read again next call: no transfer
             values[i] = value
         return values, stacked, replicated
 
