@@ -722,7 +722,7 @@ class Strategy:
         for replica_id, device in enumerate(devices):
             with engine.devices.device_scope(device):
                 values.append(value_fn(ValueContext(first + replica_id, self.num_replicas_in_sync)))
-        return values[0] if len(values) == 1 else tag_strategy(PerReplica(values), self)
+        return tag_strategy(values[0] if len(values) == 1 else PerReplica(values), self)
 
     def group(self, value: Any, name: Optional[str] = None) -> Any:
         """The local results of `value` (TensorFlow groups them into one op; eager code needs nothing).

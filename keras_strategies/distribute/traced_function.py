@@ -41,7 +41,7 @@ from keras import ops
 
 from keras_strategies.backend import engine
 from keras_strategies.distribute import context
-from keras_strategies.distribute.values import DistributedValues, PerReplica, flatten, map_structure
+from keras_strategies.distribute.values import DistributedValues, PerReplica, flatten, map_structure, strategy_of
 from keras_strategies.input import padding
 
 # .strategy: whose replicas the step being traced runs on; .row_mask: the device's row mask in it;
@@ -112,13 +112,16 @@ class TracedFunction:
         key = (layout.key, rows)
         stacked, replicated = layout.arguments(rows)
 
-        def body(stacked_blocks: list, replicated_values: list) -> list:
-            own, shared = iter(stacked_blocks), iter(replicated_values)
-            mask = next(own)[0] if layout.sizes else None
-            rebuilt = [
-                _OwnComponent(next(own)[0]) if kind != "array" else next(shared)
-                for kind in layout.kinds if kind != "static"
-            ]
+        def body(blocks: list, replicated_values: list) -> list:
+            own, shared = iter(blocks), iter(replicated_values)
+            mask = next(own) if layout.sizes else None
+            rebuilt = []
+            for kind, rank in zip(layout.kinds, layout.ranks):
+                if kind in ("rows", "per_replica"):
+                    block = next(own)
+                    rebuilt.append(_OwnComponent(block if rank else block[0]))  # rank 0: a block of one
+                elif kind == "array":
+                    rebuilt.append(next(shared))
             call_args, call_kwargs = layout.rebuilt(rebuilt)
             _tracing.strategy, _tracing.row_mask, _tracing.rows_enter = strategy, mask, []
             try:
@@ -201,25 +204,29 @@ class _Layout:
         return bool(self.sizes) and any(size != rows for size in self.sizes)
 
     def arguments(self, rows: int) -> tuple[list, list]:
-        """The stacked arguments (the row mask first, then each per-replica leaf's shards, padded
-        to `rows` with copies of real rows) and the replicated ones."""
-        stacked = []
+        """Per-replica arguments, each a list of its components in replica order (the row mask
+        first, then each per-replica leaf, its shards padded to `rows` with copies of real rows
+        where they differ), and the replicated ones."""
+        per_replica = []
         if self.sizes:
-            mask = np.zeros((len(self.sizes), rows), "float32")
-            for i, size in enumerate(self.sizes):
-                mask[i, :size] = 1.0
-            stacked.append(mask)
+            per_replica.append([np.arange(rows) < size for size in self.sizes])
+            per_replica[0] = [mask.astype("float32") for mask in per_replica[0]]
         for leaf, kind in zip(self.leaves, self.kinds):
-            if kind == "per_replica":
-                stacked.append(engine.replicas.stack([(c,) for c in leaf.values])[0])
+            if kind == "per_replica" or (kind == "rows" and not self.padded(rows)):
+                per_replica.append(list(leaf.values))
             elif kind == "rows":
                 shards = [np.asarray(ops.convert_to_numpy(c)) for c in leaf.values]
                 source = next((s for s in shards if s.shape[0]), None)
                 if source is None:  # no replica has rows: nothing to copy, and nothing counts
                     source = np.zeros((1,) + shards[0].shape[1:], shards[0].dtype)
-                stacked.append(np.stack([padding.pad_with_copies(s, rows, source[:1]) for s in shards]))
+                per_replica.append([padding.pad_with_copies(s, rows, source[:1]) for s in shards])
         replicated = [leaf for leaf, kind in zip(self.leaves, self.kinds) if kind == "array"]
-        return stacked, replicated
+        return per_replica, replicated
+
+    @property
+    def ranks(self) -> list:
+        """Each leaf's rank (its first component's, for a per-replica value)."""
+        return [len(getattr(leaf.values[0] if isinstance(leaf, DistributedValues) else leaf, "shape", ())) for leaf in self.leaves]
 
     def rebuilt(self, traced: list) -> tuple:
         """The call's `(args, kwargs)` with its non-static leaves replaced by `traced`, in order."""
@@ -244,7 +251,7 @@ def _strategy_of(structure: Any) -> Any:
     """The strategy of the step's distributed arguments (a distributed dataset's elements), else
     the strategy of the scope it is called in, else None (the step then runs eagerly)."""
     for leaf in flatten(structure):
-        strategy = getattr(leaf, "_ks_strategy", None)
+        strategy = strategy_of(leaf)
         if strategy is not None:
             return strategy
     return context.get_strategy() if context.has_strategy() else None

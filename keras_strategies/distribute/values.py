@@ -7,6 +7,8 @@ dataset elements); `Mirrored` holds values kept identical on every replica.
 
 from __future__ import annotations
 
+import collections
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -136,13 +138,36 @@ def _same_python_value(values: Sequence[Any]) -> bool:
     return False
 
 
+# A one-device strategy's distributed values are plain arrays (as in TensorFlow), which cannot
+# carry their strategy: the arrays of its latest elements are noted here, weakly.
+_PLAIN_NOTED = 64
+_plain_values: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+
+
 def tag_strategy(structure: Any, strategy: Any) -> Any:
     """`structure`, its distributed values noted as `strategy`'s (a compiled step finds its
-    strategy by them: `traced_function.py`)."""
+    strategy by them: `traced_function.py`); plain values (one device) are noted weakly."""
     for leaf in flatten(structure):
         if isinstance(leaf, DistributedValues):
             leaf._ks_strategy = strategy
+        else:
+            try:
+                _plain_values[id(leaf)] = (weakref.ref(leaf), weakref.ref(strategy))
+            except TypeError:  # a Python number: nothing to find it by
+                continue
+            _plain_values.move_to_end(id(leaf))
+            while len(_plain_values) > _PLAIN_NOTED:
+                _plain_values.popitem(last=False)
     return structure
+
+
+def strategy_of(value: Any) -> Any:
+    """The strategy whose distributed values `value` is one of (`tag_strategy`), or None."""
+    strategy = getattr(value, "_ks_strategy", None)
+    if strategy is None and id(value) in _plain_values:
+        leaf, owner = _plain_values[id(value)]
+        strategy = owner() if leaf() is value else None
+    return strategy
 
 
 def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, arrays_stay_distributed: bool = False) -> Any:

@@ -166,13 +166,16 @@ class DistributedDataset:
     def _place(self, per_replica_values: list) -> Any:
         """One structure whose leaves hold each replica's value on that replica's device."""
         fetch = self._options.experimental_fetch_to_device is not False
-
-        def place(leaf, device):
-            tensor = ops.convert_to_tensor(leaf)
-            return engine.devices.copy_to(tensor, device) if fetch else tensor
-
-        placed = [tree.map_structure(lambda leaf: place(leaf, d), v) for v, d in zip(per_replica_values, self._devices)]
-        return placed[0] if len(placed) == 1 else tag_strategy(regroup(placed, PerReplica), self._strategy)
+        flat = [tree.flatten(v) for v in per_replica_values]
+        leaves = [(i, j) for i, values in enumerate(flat) for j, leaf in enumerate(values) if leaf is not None]
+        if fetch:  # every shard to its replica's device at once
+            moved = engine.devices.place_each([flat[i][j] for i, j in leaves], [self._devices[i] for i, _ in leaves])
+        else:
+            moved = [ops.convert_to_tensor(flat[i][j]) for i, j in leaves]
+        for (i, j), value in zip(leaves, moved):
+            flat[i][j] = value
+        placed = [tree.pack_sequence_as(v, values) for v, values in zip(per_replica_values, flat)]
+        return tag_strategy(placed[0] if len(placed) == 1 else regroup(placed, PerReplica), self._strategy)
 
     def _next_on_every_worker(self, batches: Iterator[Any]) -> Any:
         """The next element; with several workers, iteration ends only when every worker's ends.

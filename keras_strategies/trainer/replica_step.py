@@ -465,8 +465,8 @@ class ReplicaStep:
 
     def _one_program(self, kind: str, shards: Shards) -> bool:
         """Whether the whole `kind` step can be one compiled program (`_train_and_update`,
-        `_test_and_measure`): one worker, sums made in the replica program, and no eager
-        fallback for this batch."""
+        `_test_and_measure`, `_predict_all`): one worker, sums made in the replica program, and
+        no eager fallback for this batch."""
         eager_fallback = kind in self._uneven_runs and shards.uneven and self._padding_enters.get(kind) is not False
         return self._whole_steps() and not eager_fallback
 
@@ -476,10 +476,10 @@ class ReplicaStep:
         return self._compiled and self.reduce_in_program and self.num_workers == 1
 
     def _compiled_step(self, kind: str) -> Callable:
-        """`_train_and_update` or `_test_and_measure`, compiled as a whole on first use."""
+        """`_train_and_update`, `_test_and_measure` or `_predict_all`, compiled as a whole on first use."""
         self._unsettled = True  # the step about to run may leave the variables on the replicas' devices
         if kind not in self._compiled_steps:
-            function = self._train_and_update if kind == "train" else self._test_and_measure
+            function = {"train": self._train_and_update, "test": self._test_and_measure}.get(kind, self._predict_all)
             finish = functools.partial(self._assign_non_trainable, in_program=True) if kind == "train" else None
             self._compiled_steps[kind] = engine.compiler.compile_replicated_step(
                 function, self._step_variables(), self.devices,
@@ -627,9 +627,16 @@ class ReplicaStep:
             global_predictions = self._global_predictions(tuple(shards.sizes), predictions)
         return self._update_metrics(self._global_batch(shards), loss, global_predictions)
 
+    def _predict_all(self, per_replica: list, batch: tuple, sizes: tuple) -> Any:
+        """The predict step after the batch is cut, one worker: the replica program and the global
+        predictions (`batch` is empty: see `_train_and_update`)."""
+        return self._global_predictions(sizes, self._predict(self._state(with_metrics=False), per_replica))
+
     def predict_step(self, data: Any, stop_asked: bool = False) -> Any:
         shards = self._shards(data, "predict")
         per_replica = [(x, mask) for x, _, _, mask in shards.per_replica]
+        if self._one_program("predict", shards):
+            return self._compiled_step("predict")(per_replica, (), tuple(shards.sizes))
         self.settle()
         outputs = self._predict(self._state(with_metrics=False), per_replica)
         if self.num_workers > 1:

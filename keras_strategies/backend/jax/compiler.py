@@ -7,6 +7,7 @@ import functools
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src.backend.common.stateless_scope import StatelessScope
@@ -59,8 +60,8 @@ def with_rows(value: Any, rows: int) -> Any:
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
                             keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
-    """A whole train or test step around the replica program as one jitted program over the
-    replicas' mesh, whose `variables` stay on the mesh between steps.
+    """A whole train, test or predict step around the replica program as one jitted program over
+    the replicas' mesh, whose `variables` stay on the mesh between steps.
 
     `fn(per_replica, batch, sizes)` runs the replicas (`make_replicated`), the
     optimizer update and the metric update. It is traced statelessly over the
@@ -76,7 +77,8 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     A train step's `fn` returns `(logs, the non-trainable values of each replica
     with rows)`; `finish(those values)` assigns them inside a group of steps
     (`call.group`, below), where the caller assigns them after a single step.
-    A test step's returns its logs (`finish` is None).
+    A test step's returns its logs, a predict step's the global batch's
+    predictions (`finish` is None).
 
     Without `keep_copies` (CentralStorage: one copy of each variable, updated
     once on its device) `fn` runs as it is: its replica program, its update
@@ -220,9 +222,12 @@ class _StepScope(StatelessScope):
 class CustomStepProgram:
     """A custom training step (`ks.function`) compiled as one program over the replicas' mesh.
 
-    `body(stacked, replicated)` runs on every device (`shard_map`): `stacked`
-    holds each device's block of the per-replica arguments, `replicated` the
-    arguments every replica shares. It is traced statelessly over the values
+    `body(blocks, replicated)` runs on every device (`shard_map`): `blocks`
+    holds the device's own component of each per-replica argument (given as
+    one list of components per argument, in replica order; a component of
+    rank 0 comes as a block of one), `replicated` the arguments every replica
+    shares. Components already on their replicas' devices are put together
+    where they are, without a copy. It is traced statelessly over the values
     of the variables it reads and writes, as Keras' own JAX trainer traces
     its step; those variables are found by tracing (a first trace notes them,
     the program is traced again with them as its state). Their values stay on
@@ -283,13 +288,26 @@ class CustomStepProgram:
 
     def _own_copy(self, value: jax.Array) -> jax.Array:
         """The first device's copy of a value replicated on the mesh (no transfer)."""
-        for shard in value.addressable_shards:
-            if shard.device == self._first:
-                return shard.data
-        return jax.device_put(value, self._first)
+        own = value.addressable_data(0)  # the mesh's order: the first device's
+        return own if own.sharding.device_set == {self._first} else jax.device_put(value, self._first)
 
-    def _placed(self, state: list, stacked: list, replicated: list) -> tuple:
-        """The state's values, the stacked and the replicated arguments on the mesh: one transfer."""
+    def _split_over_mesh(self, components: list) -> Any:
+        """The replicas' components as one array split over the mesh along its first axis: put
+        together where they are when each is on its replica's device, else a host array."""
+        first = components[0]
+        if getattr(first, "ndim", 0) and all(
+            isinstance(c, jax.Array) and c.shape == first.shape and c.sharding.device_set == {device}
+            for c, device in zip(components, self._mesh.devices.flat)
+        ):
+            shape = (first.shape[0] * len(components),) + tuple(first.shape[1:])
+            return jax.make_array_from_single_device_arrays(shape, self._split, list(components))
+        arrays = [np.asarray(c) for c in components]
+        return np.concatenate(arrays) if arrays[0].ndim else np.stack(arrays)
+
+    def _placed(self, state: list, per_replica: list, replicated: list) -> tuple:
+        """The state's values, the per-replica arguments (split) and the replicated ones on the
+        mesh: one transfer for what is not there yet."""
+        stacked = [self._split_over_mesh(components) for components in per_replica]
         values, moving = [], []
         for i, variable in enumerate(state):
             value = variable.value
@@ -299,9 +317,13 @@ class CustomStepProgram:
             elif not _is_on(value, self._on_mesh):
                 moving.append(i)
             values.append(value)
-        moved, stacked, replicated = jax.device_put(
-            ([values[i] for i in moving], list(stacked), list(replicated)), (self._on_mesh, self._split, self._on_mesh)
+        sending = [i for i, array in enumerate(stacked) if not isinstance(array, jax.Array)]
+        moved, sent, replicated = jax.device_put(
+            ([values[i] for i in moving], [stacked[i] for i in sending], list(replicated)),
+            (self._on_mesh, self._split, self._on_mesh),
         )
+        for i, array in zip(sending, sent):
+            stacked[i] = array
         for i, value in zip(moving, moved):
             self._on_mesh_copies[id(state[i])] = (values[i], value)  # read again next call: no transfer
             values[i] = value

@@ -6,6 +6,7 @@ import contextlib
 from typing import Any, Iterator
 
 import jax
+import numpy as np
 from jax._src import xla_bridge
 
 
@@ -69,6 +70,13 @@ def copy_to(value: Any, name: str) -> Any:
         if value.sharding.device_set == {device}:
             return value
     return jax.device_put(value, device)
+
+
+def place_each(values: list, names: list) -> list:
+    """Each of `values` (arrays, host or device) on the device of the same index in `names`:
+    one batched transfer."""
+    arrays = [v if isinstance(v, (jax.Array, np.ndarray)) else np.asarray(v) for v in values]
+    return list(jax.device_put(arrays, [jax_device(name) for name in names]))
 
 
 def has_gpu() -> bool:

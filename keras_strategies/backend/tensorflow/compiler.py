@@ -21,7 +21,7 @@ def compile_function(fn: Callable) -> Callable:
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
                             keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
-    """Compiles a whole train or test step around the replica program into one `tf.function`.
+    """Compiles a whole train, test or predict step around the replica program into one `tf.function`.
 
     `fn` runs the replicas (`make_replicated`), then the optimizer update and the
     metric update, each a `tf.function` of its own, which TensorFlow inlines: one

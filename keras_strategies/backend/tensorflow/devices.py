@@ -6,6 +6,7 @@ import contextlib
 from typing import Any, Iterator
 
 import tensorflow as tf
+from keras import ops
 
 
 def set_virtual_cpu_devices(count: int) -> None:
@@ -66,6 +67,11 @@ def copy_to(value: Any, name: str) -> Any:
     """A copy of tensor `value` on device `name`."""
     with device_scope(name):
         return tf.identity(value)
+
+
+def place_each(values: list, names: list) -> list:
+    """Each of `values` as a tensor on the device of the same index in `names`."""
+    return [copy_to(ops.convert_to_tensor(value), name) for value, name in zip(values, names)]
 
 
 def has_gpu() -> bool:

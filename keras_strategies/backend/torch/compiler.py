@@ -31,7 +31,7 @@ def with_rows(value: Any, rows: int) -> Any:
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
                             keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
-    """A whole train or test step around the replica program runs eagerly, like the rest
+    """A whole train, test or predict step around the replica program runs eagerly, like the rest
     (`variables`, `devices`, `keep_copies` and `finish` matter to JAX's engine only)."""
     return fn
 

@@ -11,6 +11,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from keras import ops
 
 _cpu_devices = {"count": 1, "frozen": False}
 
@@ -60,6 +61,11 @@ def device_of(value: Any) -> str:
 def copy_to(value: Any, name: str) -> Any:
     """`value` on device `name` (no copy when it is already there)."""
     return value.to(torch_device(name))
+
+
+def place_each(values: list, names: list) -> list:
+    """Each of `values` as a tensor on the device of the same index in `names`."""
+    return [copy_to(ops.convert_to_tensor(value), name) for value, name in zip(values, names)]
 
 
 def has_gpu() -> bool:

@@ -10,7 +10,6 @@ metrics and Dropout, where the variables are afterwards, and which steps run
 eagerly instead (with a warning when the step cannot be traced).
 """
 
-import contextlib
 import warnings
 
 import jax
@@ -46,9 +45,8 @@ def _guide_loop(strategy, epochs=2, dropout=0.0, rows=64, batch_norm=False, kera
     logged, the replica function's Python calls, the final weights, the model and the shapes of
     the last step's per-replica predictions.
 
-    The steps are called outside the strategy's scope, as in the guide (the step finds its
-    strategy by its distributed arguments), except on one device, whose dataset elements are
-    plain arrays: there the strategy is the scope's."""
+    The steps are called outside the strategy's scope, as in the guide: the step finds its
+    strategy by its distributed arguments (on one device, plain arrays noted as its dataset's)."""
     with strategy.scope():
         model = _model(dropout, batch_norm)
         optimizer = keras.optimizers.Adam(0.01)
@@ -81,11 +79,10 @@ def _guide_loop(strategy, epochs=2, dropout=0.0, rows=64, batch_norm=False, kera
 
     dataset = strategy.make_experimental_numpy_dataset(_data(rows)).batch(GLOBAL_BATCH)
     losses = []
-    with strategy.scope() if replicas_in_sync == 1 else contextlib.nullcontext():
-        for _ in range(epochs):
-            for x, y in strategy.experimental_distribute_dataset(dataset):
-                loss, predictions = train_step(x, y)
-                losses.append(float(ops.convert_to_numpy(loss)))
+    for _ in range(epochs):
+        for x, y in strategy.experimental_distribute_dataset(dataset):
+            loss, predictions = train_step(x, y)
+            losses.append(float(ops.convert_to_numpy(loss)))
     shapes = [tuple(p.shape) for p in strategy.experimental_local_results(predictions)]
     logged = [float(ops.convert_to_numpy(m.result())) for m in (mean_loss, error)]
     return losses, logged, calls["replica"], [ops.convert_to_numpy(w) for w in model.weights], model, shapes
@@ -106,7 +103,7 @@ def test_the_guide_step_is_compiled_once_and_trains_like_one_device(dropout):
     # Replica code runs in Python only while the step is traced (twice: once to find the
     # variables it touches, once over them), not once per replica and step.
     assert got[2] <= 2
-    assert expected[2] <= 2  # one device, in its scope: compiled too
+    assert expected[2] <= 2  # one device: compiled too
     if not dropout:  # replicas draw other random numbers than one device does, as in `fit`
         _assert_alike(got, expected)
     assert np.all(np.isfinite(got[0]))
