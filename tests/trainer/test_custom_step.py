@@ -89,19 +89,25 @@ class MergingTrainStep(OwnTrainStep):
         return super().train_step(*args)
 
 
-def test_a_step_that_calls_merge_call_trains_like_one_device_without_a_warning():
+def _compile_warnings_of_fit(model_class):
+    """Fits a small `model_class` model on 2 replicas, checked against one device; the warnings
+    that its step could not be compiled."""
     x, y = regression_data(16)
 
-    def build_merging():
+    def build():
         inputs = keras.Input((3,))
-        model = MergingTrainStep(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
+        model = model_class(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
         model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05))
         return model
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_same_fit(build_merging, x, y, batch_size=8, replicas=2)
-    assert not [str(w.message) for w in caught if "could not be compiled" in str(w.message)]
+        assert_same_fit(build, x, y, batch_size=8, replicas=2)
+    return [str(w.message) for w in caught if "could not be compiled" in str(w.message)]
+
+
+def test_a_step_that_calls_merge_call_trains_like_one_device_without_a_warning():
+    assert not _compile_warnings_of_fit(MergingTrainStep)
 
 
 class PythonValueTrainStep(OwnTrainStep):
@@ -115,18 +121,7 @@ class PythonValueTrainStep(OwnTrainStep):
 
 
 def test_a_step_that_cannot_be_compiled_runs_eagerly_after_one_warning_and_trains_like_one_device():
-    x, y = regression_data(16)
-
-    def build_reading():
-        inputs = keras.Input((3,))
-        model = PythonValueTrainStep(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
-        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05))
-        return model
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert_same_fit(build_reading, x, y, batch_size=8, replicas=2)
-    compiled_warnings = [str(w.message) for w in caught if "could not be compiled" in str(w.message)]
+    compiled_warnings = _compile_warnings_of_fit(PythonValueTrainStep)
     if keras.backend.backend() == "jax":
         assert len(compiled_warnings) == 1, compiled_warnings
         assert "train_step" in compiled_warnings[0] and "Concretization" in compiled_warnings[0], compiled_warnings[0]

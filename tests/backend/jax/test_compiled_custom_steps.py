@@ -20,6 +20,7 @@ from keras import ops
 
 import keras_strategies as ks
 from keras_strategies.backend.jax import replicas
+from test_one_program_steps import _count_dispatches  # noqa: E402 - this folder is on the path
 
 DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
 GLOBAL_BATCH = 16
@@ -110,14 +111,7 @@ def test_the_guide_step_is_compiled_once_and_trains_like_one_device(dropout):
 
 
 def test_each_step_is_one_program_and_the_variables_are_read_on_the_first_device(monkeypatch):
-    counts = {"programs": 0}
-    dispatch = replicas.dispatch
-
-    def counted(*args, **kwargs):
-        counts["programs"] += 1
-        return dispatch(*args, **kwargs)
-
-    monkeypatch.setattr(replicas, "dispatch", counted)
+    counts = _count_dispatches(monkeypatch)
     model = _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1)[4]
     assert counts["programs"] == 4  # one per step
     first = replicas.mesh_of(DEVICES).devices.flat[0]
@@ -184,14 +178,7 @@ def test_central_storage_steps_run_eagerly_without_a_warning():
 
 @pytest.mark.parametrize("batch_norm", [False, True])
 def test_a_partial_last_batch_is_padded_into_the_full_batches_program_and_trains_like_one_device(batch_norm, monkeypatch):
-    counts = {"programs": 0}
-    dispatch = replicas.dispatch
-
-    def counted(*args, **kwargs):
-        counts["programs"] += 1
-        return dispatch(*args, **kwargs)
-
-    monkeypatch.setattr(replicas, "dispatch", counted)
+    counts = _count_dispatches(monkeypatch)
     # 18 rows: the last global batch (2 rows) gives replicas 1, 1, 0 and 0 rows.
     got = _guide_loop(ks.MirroredStrategy(DEVICES), rows=18, batch_norm=batch_norm)
     assert counts["programs"] == 4  # every step, the partial ones too, one program
