@@ -742,6 +742,11 @@ class _DefaultExtended(StrategyExtended):
     def _on_host(self, value: Any) -> Any:
         return ops.convert_to_tensor(value)  # no placement: values stay where they are
 
+    def _custom_steps_untraceable(self) -> Optional[str]:
+        # Without a strategy Keras' own code runs unchanged (no hook lifts an optimizer's first
+        # variables out of a trace), so a step runs as written.
+        return "no strategy is in use"
+
     def variable_created_in_scope(self, variable: Any) -> bool:
         return getattr(variable, "_ks_strategy", None) is None
 

@@ -196,3 +196,13 @@ def test_a_step_whose_loss_reduces_the_rows_itself_runs_its_uneven_batches_eager
 
     monkeypatch.setattr(engine.compiler, "TRACES_CUSTOM_STEPS", False)  # every step eager
     _assert_alike(got, _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1, rows=37, keras_loss_mean=True))
+
+
+def test_steps_without_a_strategy_run_as_written_and_train_like_one_device():
+    # The default strategy's dataset elements name it, but without a strategy Keras' own code runs
+    # unchanged (an optimizer built at its first update inside a trace would leak traced values):
+    # such a step runs eagerly, as written, without a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = _guide_loop(ks.get_strategy(), epochs=1)
+    _assert_alike(got, _guide_loop(ks.OneDeviceStrategy("cpu:0"), epochs=1))
