@@ -209,8 +209,7 @@ class _Layout:
         where they differ), and the replicated ones."""
         per_replica = []
         if self.sizes:
-            per_replica.append([np.arange(rows) < size for size in self.sizes])
-            per_replica[0] = [mask.astype("float32") for mask in per_replica[0]]
+            per_replica.append([(np.arange(rows) < size).astype("float32") for size in self.sizes])
         for leaf, kind in zip(self.leaves, self.kinds):
             if kind == "per_replica" or (kind == "rows" and not self.padded(rows)):
                 per_replica.append(list(leaf.values))
@@ -261,7 +260,7 @@ def note_rows_enter(why: str, values: Any = None) -> None:
     """Called where a step's trace does work that padding rows would enter (a reduction over the
     rows that no row mask reaches), on `values` if given (then only if some value has the shard's
     rows): such a step runs its uneven batches eagerly."""
-    mask = getattr(_tracing, "row_mask", None)
+    mask = traced_row_mask()
     if mask is None:
         return
     if values is not None:
