@@ -7,6 +7,7 @@ import functools
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
+from keras.src import tree
 from tensorflow.python.ops import resource_variable_ops
 
 
@@ -29,9 +30,57 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     8 to 3 ms here). One trace per batch shape, as `compile_stateful`; a partial
     has no `__code__`, so TensorFlow counts the traces of each model's step on
     their own (see `make_replicated`). TensorFlow's variables stay where they
-    live: `variables`, `devices`, `keep_copies` and `finish` matter to JAX's engine only.
+    live: `variables`, `devices` and `keep_copies` matter to JAX's engine only.
+
+    A train step's `fn` returns `(logs, the non-trainable values of each replica
+    with rows)`; `finish(those values)` assigns them inside a group of steps
+    (`step_group`), where the caller assigns them after a single step.
     """
-    return tf.function(functools.partial(fn), autograph=False)
+    step = tf.function(functools.partial(fn), autograph=False)
+
+    def one_step(per_replica: Any, batch: tuple, sizes: tuple) -> Any:
+        output = fn(per_replica, batch, sizes)
+        if finish is None:
+            return output
+        output, non_trainable = output
+        finish(non_trainable)  # where the next step of the group reads them
+        return output
+
+    def steps_in_one_call(stacked_steps: tuple, sizes: tuple) -> Any:
+        """The steps of a group (each leaf stacked on a leading step axis): all but the last in a
+        `tf.while_loop` (as Keras' TF trainer loops over `steps_per_execution`), then the last,
+        whose logs are the group's."""
+        count = next(leaf for leaf in tree.flatten(stacked_steps) if leaf is not None).shape[0]
+        step_at = lambda i: tree.map_structure(lambda leaf: None if leaf is None else leaf[i], stacked_steps)  # noqa: E731
+
+        def body(i: Any) -> Any:
+            one_step(*step_at(i), sizes)
+            return i + 1
+
+        tf.while_loop(lambda i: i < count - 1, body, [tf.constant(0)])
+        return one_step(*step_at(count - 1), sizes)
+
+    group_program = tf.function(steps_in_one_call, autograph=False)
+
+    def group(steps: Sequence[tuple]) -> Any:
+        """`steps` (each `(per_replica, batch, sizes)`, all of one signature) as one call: the logs
+        after the last step."""
+        stacked = tree.map_structure(
+            lambda *leaves: None if leaves[0] is None else tf.stack(leaves), *[(p, b) for p, b, _ in steps]
+        )
+        return group_program(stacked, tuple(steps[0][2]))
+
+    return _Step(step, group)
+
+
+class _Step:
+    """A whole compiled step (`compile_replicated_step`), and its group of steps (`step_group`)."""
+
+    def __init__(self, step: Callable, group: Callable):
+        self._step, self.group = step, group
+
+    def __call__(self, *args: Any) -> Any:
+        return self._step(*args)
 
 
 def with_rows(value: Any, rows: int) -> Any:
@@ -95,7 +144,7 @@ def settle(variables: Sequence[Any], device: str) -> None:
     """Nothing to bring back: compiled steps here leave variables where they live."""
 
 
-def step_group(compiled_step: Callable) -> None:
-    """None: each step of a `steps_per_execution` group runs on its own here."""
-    return None
+def step_group(compiled_step: Callable) -> Optional[Callable]:
+    """What runs a group of steps (`steps_per_execution`) as one call of one `tf.function`."""
+    return getattr(compiled_step, "group", None)
 
