@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.common.stateless_scope import StatelessScope, in_stateless_scope
+from keras.src.backend.common.variables import get_autocast_scope
 
 from keras_strategies.backend.common.replica_variables import outside_stateless_scopes
 from keras_strategies.backend.jax import replicas
@@ -179,6 +180,11 @@ def settle(variables: Sequence[Any], device: str) -> None:
             variable.assign(value)
 
 
+def _read(variable: Any, direct: bool) -> Any:
+    """A variable's value: its array itself when `direct` (no scope can change what it reads)."""
+    return variable._value if direct else variable.value
+
+
 def _is_on(value: Any, sharding: Any) -> bool:
     return isinstance(value, jax.Array) and value.sharding == sharding
 
@@ -277,17 +283,23 @@ class CustomStepProgram:
     def __call__(self, key: Any, stacked: list, replicated: list) -> Any:
         """The output of the program prepared for `key` on these arguments, its assignments made."""
         state, program = self._programs[key]
-        values, stacked, replicated = self._placed(state, stacked, replicated)
+        # Outside Keras' stateless and autocast scopes a variable's value is its array, and the
+        # program's values have the variables' shapes and dtypes: `assign`'s checks hold. Reading
+        # and writing the arrays directly saves about 0.2 ms a step of a 28-variable model.
+        direct = not in_stateless_scope() and get_autocast_scope() is None
+        values, stacked, replicated = self._placed(state, stacked, replicated, direct)
         output, new_values = replicas.dispatch(self._mesh, program, values, stacked, replicated)
         for variable, value in zip(state, new_values):
             if value is not None:
                 own = self._own_copy(value)
-                variable.assign(own)
-                self._on_mesh_copies[id(variable)] = (variable.value, value)
+                variable._direct_assign(own) if direct else variable.assign(own)
+                self._on_mesh_copies[id(variable)] = (_read(variable, direct), value)
         return jax.tree_util.tree_map(self._own_copy, output)
 
     def _own_copy(self, value: jax.Array) -> jax.Array:
         """The first device's copy of a value replicated on the mesh (no transfer)."""
+        if self._mesh.size == 1:  # the value is on that device already
+            return value
         own = value.addressable_data(0)  # the mesh's order: the first device's
         return own if own.sharding.device_set == {self._first} else jax.device_put(value, self._first)
 
@@ -304,13 +316,13 @@ class CustomStepProgram:
         arrays = [np.asarray(c) for c in components]
         return np.concatenate(arrays) if arrays[0].ndim else np.stack(arrays)
 
-    def _placed(self, state: list, per_replica: list, replicated: list) -> tuple:
+    def _placed(self, state: list, per_replica: list, replicated: list, direct: bool = False) -> tuple:
         """The state's values, the per-replica arguments (split) and the replicated ones on the
-        mesh: one transfer for what is not there yet."""
+        mesh: one transfer for what is not there yet (`direct`: see `__call__`)."""
         stacked = [self._split_over_mesh(components) for components in per_replica]
         values, moving = [], []
         for i, variable in enumerate(state):
-            value = variable.value
+            value = _read(variable, direct)
             kept = self._on_mesh_copies.get(id(variable))
             if kept is not None and kept[0] is value:
                 value = kept[1]
@@ -318,6 +330,8 @@ class CustomStepProgram:
                 moving.append(i)
             values.append(value)
         sending = [i for i, array in enumerate(stacked) if not isinstance(array, jax.Array)]
+        if not (moving or sending or replicated):
+            return values, stacked, []
         moved, sent, replicated = jax.device_put(
             ([values[i] for i in moving], [stacked[i] for i in sending], list(replicated)),
             (self._on_mesh, self._split, self._on_mesh),
