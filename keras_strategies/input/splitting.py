@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 from keras.src import tree
 
+from keras_strategies.backend import engine
+
 
 def shard_sizes(batch_size: int, num_shards: int) -> list[int]:
     """Balanced sizes: `shard_sizes(10, 4) == [3, 3, 2, 2]`, `shard_sizes(2, 3) == [1, 1, 0]`."""
@@ -18,15 +20,6 @@ def shard_sizes(batch_size: int, num_shards: int) -> list[int]:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}.")
     base, extra = divmod(int(batch_size), num_shards)
     return [base + (1 if i < extra else 0) for i in range(num_shards)]
-
-
-def shard_bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """`[(start, stop), ...]` of each shard in the global batch."""
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
 
 
 def batch_size_of(structure: Any) -> int:
@@ -47,9 +40,7 @@ def batch_size_of(structure: Any) -> int:
 
 
 def split_batch(structure: Any, sizes: Sequence[int]) -> list[Any]:
-    """One slice of `structure` per shard, along axis 0 (`None` leaves stay `None`)."""
-
-    def take(start: int, stop: int) -> Any:
-        return tree.map_structure(lambda leaf: None if leaf is None else leaf[start:stop], structure)
-
-    return [take(start, stop) for start, stop in shard_bounds(sizes)]
+    """One slice of `structure` per shard, along axis 0 (`None` leaves stay `None`); each leaf is
+    cut by its engine at once (`engine.replicas.split_rows`)."""
+    pieces = [None if leaf is None else engine.replicas.split_rows(leaf, sizes) for leaf in tree.flatten(structure)]
+    return [tree.pack_sequence_as(structure, [None if p is None else p[i] for p in pieces]) for i in range(len(sizes))]

@@ -34,6 +34,15 @@ def apply_partitioned(values: Sequence[Any], predicate: Callable[[Any], bool], s
     return outputs
 
 
+def row_slices(value: Any, sizes: Sequence[int]) -> list:
+    """`value` cut along its first axis into consecutive pieces of `sizes` rows, from row 0."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(value[start:start + size])
+        start += size
+    return pieces
+
+
 def first_axis_shards(partitions: Sequence[int], shape: Sequence[int]) -> int:
     """How many shards a variable of `shape` gets from a partitioner's result `partitions`.
 

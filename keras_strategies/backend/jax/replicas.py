@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
-from keras_strategies.backend.common import replica_threads
+from keras_strategies.backend.common import partition, replica_threads
 from keras_strategies.backend.common.replica_variables import FIRST
 from keras_strategies.backend.jax import nccl, shared_state
 from keras_strategies.backend.jax.devices import device_of, device_scope, jax_device
@@ -40,6 +40,11 @@ def batch_leaf(value: Any) -> Any:
     The engine's arrays are immutable, so their slices share no state.
     """
     return value
+
+
+# A leaf of a global batch cut into its shards' rows (slices share the batch's memory).
+split_rows = partition.row_slices
+
 
 def _on_device_of(values: list, reference: Any) -> list:
     devices = jnp.asarray(reference).devices()

@@ -35,6 +35,18 @@ def batch_leaf(value: Any) -> Any:
     return value
 
 
+def split_rows(value: Any, sizes: Sequence[int]) -> list:
+    """A leaf of a global batch cut into its shards' rows: one `tf.split` for a dense tensor (an
+    eager slice costs about 70 us, so four shards' slices cost more than the split), else slices."""
+    if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
+        return partition.row_slices(value, sizes)
+    rest = int(value.shape[0]) - sum(sizes) if value.shape[0] is not None else None
+    if rest is None or rest < 0:
+        return partition.row_slices(value, sizes)
+    pieces = tf.split(value, list(sizes) + [rest]) if rest else tf.split(value, list(sizes))
+    return pieces[:len(sizes)]
+
+
 def in_step_cross_device_ops(devices: Sequence[str]) -> tf.distribute.CrossDeviceOps:
     """What TensorFlow's replica context all-reduces with in our steps: NCCL between several GPUs
     (TensorFlow's own `NcclAllReduce`), else copies reduced on one device."""

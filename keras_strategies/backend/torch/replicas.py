@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from keras.src import tree
 
-from keras_strategies.backend.common import replica_threads
+from keras_strategies.backend.common import partition, replica_threads
 from keras_strategies.backend.torch import module_buffers, nccl, vectorized
 from keras_strategies.backend.torch.devices import device_scope, torch_device
 
@@ -37,6 +37,10 @@ def batch_leaf(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype != torch.bfloat16:
         return value.detach().numpy()
     return value
+
+
+# A leaf of a global batch cut into its shards' rows (slices share the batch's memory).
+split_rows = partition.row_slices
 
 
 def _sum_on(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
