@@ -180,6 +180,10 @@ def settle(variables: Sequence[Any], device: str) -> None:
             variable.assign(value)
 
 
+# Elements of a host array small enough to keep on the mesh for the next call that sends it.
+_SMALL = 4096
+
+
 def _read(variable: Any, direct: bool) -> Any:
     """A variable's value: its array itself when `direct` (no scope can change what it reads)."""
     return variable._value if direct else variable.value
@@ -248,6 +252,7 @@ class CustomStepProgram:
         self._first = mesh.devices.flat[0]
         self._programs: dict = {}  # key -> (variables, the jitted program)
         self._on_mesh_copies: dict = {}  # id(variable) -> (its value on the first device, that value on the mesh)
+        self._small_arrays: dict = {}  # a small host array's dtype, shape and bytes -> it, split over the mesh
 
     def _traced(self, body: Callable, variables: list) -> tuple[Callable, list]:
         """The jitted program of `body` over `variables`, and the other variables its trace touched."""
@@ -314,7 +319,23 @@ class CustomStepProgram:
             shape = (first.shape[0] * len(components),) + tuple(first.shape[1:])
             return jax.make_array_from_single_device_arrays(shape, self._split, list(components))
         arrays = [np.asarray(c) for c in components]
-        return np.concatenate(arrays) if arrays[0].ndim else np.stack(arrays)
+        host = np.concatenate(arrays) if arrays[0].ndim else np.stack(arrays)
+        if host.size > _SMALL or host.dtype == object:
+            return host
+        # Small host arrays (the row masks, which the same shard sizes repeat) are sent once.
+        key = (host.dtype.str, host.shape, host.tobytes())
+        if key not in self._small_arrays:
+            if len(self._small_arrays) >= 64:
+                self._small_arrays.clear()
+            self._small_arrays[key] = jax.device_put(host, self._split)
+        return self._small_arrays[key]
+
+    def _in_place(self, value: Any) -> bool:
+        """Whether a replicated argument is on every device of the mesh already (on a mesh of one
+        device: on that device, as a one-device strategy's dataset places its batches)."""
+        if not isinstance(value, jax.Array):
+            return False
+        return value.sharding == self._on_mesh or (self._mesh.size == 1 and value.sharding.device_set == {self._first})
 
     def _placed(self, state: list, per_replica: list, replicated: list, direct: bool = False) -> tuple:
         """The state's values, the per-replica arguments (split) and the replicated ones on the
@@ -330,14 +351,18 @@ class CustomStepProgram:
                 moving.append(i)
             values.append(value)
         sending = [i for i, array in enumerate(stacked) if not isinstance(array, jax.Array)]
-        if not (moving or sending or replicated):
-            return values, stacked, []
-        moved, sent, replicated = jax.device_put(
-            ([values[i] for i in moving], [stacked[i] for i in sending], list(replicated)),
+        replicated = list(replicated)
+        copying = [i for i, array in enumerate(replicated) if not self._in_place(array)]
+        if not (moving or sending or copying):
+            return values, stacked, replicated
+        moved, sent, copied = jax.device_put(
+            ([values[i] for i in moving], [stacked[i] for i in sending], [replicated[i] for i in copying]),
             (self._on_mesh, self._split, self._on_mesh),
         )
         for i, array in zip(sending, sent):
             stacked[i] = array
+        for i, array in zip(copying, copied):
+            replicated[i] = array
         for i, value in zip(moving, moved):
             self._on_mesh_copies[id(state[i])] = (values[i], value)  # read again next call: no transfer
             values[i] = value
