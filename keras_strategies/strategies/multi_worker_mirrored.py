@@ -39,7 +39,7 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.asarray(keras_backend.convert_to_numpy(value))
 
 
-def _join(cluster: WorkerCluster, options: CommunicationOptions) -> None:
+def join_cluster(cluster: WorkerCluster, options: CommunicationOptions) -> None:
     """Joins the cluster once per process; a later strategy for the same cluster shares it.
 
     Every engine joins one cluster per process (`jax.distributed`, the torch process group,
@@ -60,10 +60,11 @@ def _join(cluster: WorkerCluster, options: CommunicationOptions) -> None:
 
 
 class MultiWorkerMirroredExtended(MirroredExtended):
-    def __init__(self, container, cluster: WorkerCluster, options: CommunicationOptions):
+    def __init__(self, container, cluster: WorkerCluster, options: CommunicationOptions,
+                 local_devices: Callable[[], list] = default_compute_devices):
         if cluster.num_workers > 1:  # joins the cluster before anything initialises the backend's devices
-            _join(cluster, options)
-        super().__init__(container, default_compute_devices(), cross_device_ops=None)
+            join_cluster(cluster, options)
+        super().__init__(container, local_devices(), cross_device_ops=None)
         self._cluster = cluster
         self._communication_options = options
         self._monitor: Optional[HealthMonitor] = None

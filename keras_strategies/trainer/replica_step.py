@@ -401,7 +401,10 @@ class ReplicaStep:
         # static shapes, the per-replica rows of the largest batch so far.
         if self._static_shapes:
             batch = batch_size_of(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
-            rows = self._static_rows[kind] = max(self._static_rows.get(kind, 0), -(-batch // len(self.devices)))
+            # `data` is the global batch, split over every worker's replicas (or, with per-worker
+            # input, this worker's own batch, split over its replicas).
+            replicas = len(self.devices) if worker_sharding.active() else self.strategy.num_replicas_in_sync
+            rows = self._static_rows[kind] = max(self._static_rows.get(kind, 0), -(-batch // replicas))
             shards = make_shards(self.strategy, data, len(self.devices), with_targets, True, rows)
         else:
             shards = make_shards(self.strategy, data, len(self.devices), with_targets, None if self._compiled else False)

@@ -145,6 +145,23 @@ def test_without_a_tpu_the_errors_are_tensorflow_s():
         ks.TPUStrategy(ks.cluster_resolver.TFConfigClusterResolver())
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX joins a slice's hosts; TensorFlow's TPU runtime does")
+def test_on_jax_the_hosts_of_a_slice_come_from_cloud_tpu_s_environment(monkeypatch):
+    # The resolver reads the hosts without looking for JAX's devices, which exist once the hosts have
+    # joined (the strategy joins them: tests/multi_worker/test_multi_worker_tpu_hosts.py).
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3:9000")
+    monkeypatch.setenv("TPU_WORKER_ID", "1")
+    resolver = ks.cluster_resolver.TPUClusterResolver()
+    assert resolver.cluster_spec().as_dict() == {"worker": ["10.0.0.2:8482", "10.0.0.3:9000"]}
+    assert resolver.master() == ""
+    monkeypatch.setenv("TPU_WORKER_ID", "2")
+    with pytest.raises(ValueError, match="names 2 hosts, but TPU_WORKER_ID is '2': set it to this host's index"):
+        ks.cluster_resolver.TPUClusterResolver()
+    monkeypatch.delenv("TPU_WORKER_ID")
+    with pytest.raises(ValueError, match="TPU_WORKER_ID is ''"):
+        ks.TPUStrategy(_test_devices=DEVICES[:2])
+
+
 @pytest.mark.skipif(not TORCH, reason="the PyTorch backend's error")
 def test_pytorch_says_it_has_no_tpu_runtime():
     for call in (lambda: ks.TPUStrategy(_test_devices=DEVICES[:2]), ks.cluster_resolver.TPUClusterResolver,

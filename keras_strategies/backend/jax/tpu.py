@@ -3,6 +3,11 @@
 JAX runs on a Cloud TPU VM's own chips; it has no client for TensorFlow's
 remote TPU nodes (a TPU name or a `grpc://` address), so those are refused
 with a clear error. The messages without a TPU are TensorFlow's own.
+
+On a TPU slice of several hosts, every host runs the same program, and
+Cloud TPU's environment names the hosts (`TPU_WORKER_HOSTNAMES`) and this
+one (`TPU_WORKER_ID`), as JAX's own `jax.distributed.initialize()` reads it:
+the strategy joins them as the workers of one cluster (`hosts`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import jax
 
 from keras_strategies.backend.jax import devices as jax_devices
 
+# The port of the cluster's coordinator on the first host when Cloud TPU's host names carry none:
+# JAX's own choice on Cloud TPU (jax._src.clusters.cloud_tpu_cluster.coordinator_port).
+COORDINATOR_PORT = 8482
 NO_TPU_NAME = "Please provide a TPU Name to connect to."
 NOT_FOUND = "TPUs not found in the cluster."
 
@@ -33,6 +41,9 @@ def resolve(tpu: Optional[str], **_: Any) -> dict:
     """
     name = tpu if tpu else os.environ.get("TPU_NAME", "")
     if name in ("", "local"):
+        addresses, index = hosts(None)
+        if addresses:  # several hosts: JAX's devices wait until they have joined (TPUStrategy)
+            return {"master": "", "local": True, "hosts": addresses, "index": index}
         if not name and not _local_tpus():
             raise ValueError(
                 f"{NO_TPU_NAME} JAX sees no TPU on this machine (its devices: "
@@ -51,8 +62,28 @@ def master(handle: Any) -> str:
 
 
 def cluster_spec(handle: Any) -> dict:
-    """One host, no remote jobs: an empty cluster, as TensorFlow's resolver for `tpu='local'`."""
-    return {}
+    """The slice's hosts as workers; one host, no remote jobs: an empty cluster, as TensorFlow's
+    resolver for `tpu='local'`."""
+    addresses, _ = hosts(handle)
+    return {"worker": addresses} if addresses else {}
+
+
+def hosts(handle: Any) -> tuple[list, int]:
+    """The hosts of this TPU slice (`host:port`, in Cloud TPU's order) and this host's index in
+    them, from Cloud TPU's environment (`TPU_WORKER_HOSTNAMES`, `TPU_WORKER_ID`); `([], 0)` on
+    one host. A name without a port gets `COORDINATOR_PORT`."""
+    if isinstance(handle, dict) and "hosts" in handle:
+        return list(handle["hosts"]), int(handle["index"])
+    names = [n.strip() for n in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if n.strip()]
+    if len(names) < 2:
+        return [], 0
+    index = os.environ.get("TPU_WORKER_ID", "")
+    if not index.isdigit() or int(index) >= len(names):
+        raise ValueError(
+            f"TPU_WORKER_HOSTNAMES names {len(names)} hosts, but TPU_WORKER_ID is {index!r}: set it to this "
+            f"host's index among them (0 to {len(names) - 1}), as Cloud TPU does."
+        )
+    return [n if ":" in n else f"{n}:{COORDINATOR_PORT}" for n in names], int(index)
 
 
 def num_accelerators(handle: Any) -> dict:
@@ -88,10 +119,12 @@ def replica_devices(handle: Any, device_assignment: Any, spmd: bool) -> list[str
             "TPUStrategy on JAX takes no device assignment and no SPMD partitioning: each TPU "
             "core of this host runs one replica."
         )
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            f"TPUStrategy on JAX runs on the TPU chips of one host; this program runs on "
-            f"{jax.process_count()} hosts (jax.distributed), which it does not support."
+    if jax.process_count() > 1 and not hosts(handle)[0]:
+        raise RuntimeError(
+            f"This program runs in {jax.process_count()} processes (jax.distributed), but Cloud TPU's "
+            "environment names no hosts: set TPU_WORKER_HOSTNAMES (every host, in order) and "
+            "TPU_WORKER_ID (this host's index), as on a Cloud TPU slice, so that TPUStrategy "
+            "can join them."
         )
     return _found_tpus()
 

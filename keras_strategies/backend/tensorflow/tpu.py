@@ -83,3 +83,9 @@ def replica_devices(handle: Any, device_assignment: Any, spmd: bool) -> list[str
     devices = [f"tpu:{i}" for i in range(strategy.num_replicas_in_sync)]
     replicas._strategies[tuple(devices)] = strategy
     return devices
+
+
+def hosts(handle: Any) -> tuple[list, int]:
+    """One host as far as this package goes: TensorFlow's TPU runtime drives every host of a TPU
+    pod itself, from the one program that holds its `TPUStrategy`."""
+    return [], 0

@@ -26,4 +26,4 @@ def _refuse(*_: Any, **__: Any) -> Any:
 
 
 resolve = master = cluster_spec = num_accelerators = connect_to_cluster = _refuse
-initialize_tpu_system = replica_devices = _refuse
+initialize_tpu_system = replica_devices = hosts = _refuse
