@@ -4,8 +4,9 @@ Every device runs its replica, the replica sum, the optimizer update and the
 metric update (`compiler.compile_replicated_step`); the model's variables stay
 on every device of the mesh between steps, so a step sends only its batch, and
 come back to one device when the loop ends. With `steps_per_execution`, a group
-of steps whose batches have the same shards is one program too (`lax.scan`).
-The results stay those of one device (checked throughout `tests/trainer/`).
+of steps whose batches have the same shards is one program too (`lax.scan`;
+`tests/trainer/test_step_groups.py`). The results stay those of one device
+(checked throughout `tests/trainer/`).
 """
 
 import keras
@@ -152,52 +153,6 @@ def _steps_model(steps_per_execution, extra_layers=lambda: ()):
     model.compile(loss="mse", optimizer=keras.optimizers.Adam(0.01), metrics=["mae"],
                   steps_per_execution=steps_per_execution)
     return model
-
-
-def test_steps_per_execution_runs_each_group_of_full_batches_as_one_program_and_trains_like_one_device(monkeypatch):
-    x, y = _data(70)  # 9 batches of 8 an epoch, the last of 6: groups of 3, 3 and 3 (uneven)
-    reference = _steps_model(3)
-    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    with ks.MirroredStrategy(DEVICES).scope():
-        model = _steps_model(3)
-    dispatched = _count_dispatches(monkeypatch)
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    # Per epoch: two groups of three full batches, then the group with the partial batch step by step.
-    assert dispatched["programs"] == 2 * (2 + 3)
-    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 18
-    for name in ("loss", "mae"):
-        np.testing.assert_allclose(history[name], expected[name], rtol=1e-5)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, atol=1e-5)
-
-
-def test_evaluate_runs_each_group_of_full_batches_as_one_program_and_measures_like_one_device(monkeypatch):
-    x, y = _data(70)
-    reference = _steps_model(3)
-    with ks.MirroredStrategy(DEVICES).scope():
-        model = _steps_model(3)
-    model.set_weights(reference.get_weights())
-    dispatched = _count_dispatches(monkeypatch)
-    logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
-    assert dispatched["programs"] == 2 + 3
-    expected = reference.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
-    assert logs.keys() == expected.keys()
-    for name in logs:
-        np.testing.assert_allclose(logs[name], expected[name], rtol=1e-5)
-
-
-def test_a_group_of_steps_carries_batch_normalization_and_dropout_state_from_step_to_step():
-    # Per-replica BatchNormalization statistics averaged after each step, and the dropout seed
-    # advanced at each step: a group of four steps equals four single steps.
-    x, y = _data(64)
-    layers = lambda: (keras.layers.BatchNormalization(), keras.layers.Dropout(0.2))  # noqa: E731
-    with ks.MirroredStrategy(DEVICES).scope():
-        single, grouped = _steps_model(1, layers), _steps_model(4, layers)
-    expected = single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    history = grouped.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    assert history == expected
-    for got, want in zip(grouped.get_weights(), single.get_weights()):
-        np.testing.assert_array_equal(got, want)
 
 
 def test_tpu_strategy_runs_a_group_of_steps_per_execution_on_the_devices(monkeypatch):
