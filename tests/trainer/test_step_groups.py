@@ -105,3 +105,18 @@ def test_a_group_of_steps_carries_batch_normalization_and_dropout_state_from_ste
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
     for got, want in zip(grouped.get_weights(), single.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_tpu_strategy_runs_a_group_of_steps_per_execution_on_the_devices(calls):
+    # TPUStrategy's static shapes on virtual CPU devices (its test-only `_test_devices`): the two full
+    # batches of each epoch run as one program; the partial last one, padded to their shape, alone.
+    x, y = _data(19)
+    reference = _steps_model(2)
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    with ks.TPUStrategy(_test_devices=DEVICES).scope():
+        model = _steps_model(2)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert calls == {"groups": 2, "steps": 2}
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

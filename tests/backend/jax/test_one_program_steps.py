@@ -144,28 +144,3 @@ def test_every_compiled_step_is_dispatched_one_at_a_time_on_cpu_devices(monkeypa
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(x, y))
     assert dispatched["programs"] == 12  # 3 train and 3 test steps an epoch
 
-
-def _steps_model(steps_per_execution, extra_layers=lambda: ()):
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(16, activation="relu"), *extra_layers(), keras.layers.Dense(1)]
-    )
-    model.compile(loss="mse", optimizer=keras.optimizers.Adam(0.01), metrics=["mae"],
-                  steps_per_execution=steps_per_execution)
-    return model
-
-
-def test_tpu_strategy_runs_a_group_of_steps_per_execution_on_the_devices(monkeypatch):
-    # TPUStrategy's static shapes on virtual CPU devices (its test-only `_test_devices`): the two full
-    # batches of each epoch run as one program; the partial last one, padded to their shape, alone.
-    x, y = _data(19)
-    reference = _steps_model(2)
-    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    with ks.TPUStrategy(_test_devices=DEVICES).scope():
-        model = _steps_model(2)
-    dispatched = _count_dispatches(monkeypatch)
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    assert dispatched["programs"] == 2 * 2
-    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
