@@ -145,12 +145,22 @@ def test_without_a_tpu_the_errors_are_tensorflow_s():
         ks.TPUStrategy(ks.cluster_resolver.TFConfigClusterResolver())
 
 
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX joins a slice's hosts; TensorFlow's TPU runtime does")
-def test_on_jax_the_hosts_of_a_slice_come_from_cloud_tpu_s_environment(monkeypatch):
-    # The resolver reads the hosts without looking for JAX's devices, which exist once the hosts have
-    # joined (the strategy joins them: tests/multi_worker/test_multi_worker_tpu_hosts.py).
+def test_the_hosts_of_a_slice_come_from_cloud_tpu_s_environment_on_jax_only(monkeypatch):
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3:9000")
     monkeypatch.setenv("TPU_WORKER_ID", "1")
+    if TORCH:  # no TPU runtime, whatever the environment says
+        with pytest.raises(RuntimeError, match="not available on the PyTorch backend"):
+            ks.cluster_resolver.TPUClusterResolver()
+        return
+    if keras.backend.backend() == "tensorflow":
+        # TensorFlow's TPU runtime drives a slice's hosts itself, from the TPU's name: the variables
+        # name no hosts for this package, and a machine without a TPU still gets TensorFlow's error.
+        with pytest.raises(ValueError, match="^Please provide a TPU Name to connect to."):
+            ks.cluster_resolver.TPUClusterResolver()
+        assert ks.TPUStrategy(_test_devices=DEVICES[:2]).num_replicas_in_sync == 2
+        return
+    # JAX reads the hosts without looking for its devices, which exist once the hosts have joined
+    # (the strategy joins them: tests/multi_worker/test_multi_worker_tpu_hosts.py).
     resolver = ks.cluster_resolver.TPUClusterResolver()
     assert resolver.cluster_spec().as_dict() == {"worker": ["10.0.0.2:8482", "10.0.0.3:9000"]}
     assert resolver.master() == ""
