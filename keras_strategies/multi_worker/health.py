@@ -101,9 +101,10 @@ class HealthMonitor:
         self._what = what
         self._in_flight_since = time.monotonic()
 
-    def end(self) -> None:
+    def end(self, completed: bool = True) -> None:
+        """Called after a collective; `completed=False` after only starting one (it completes in a later wait)."""
         self._in_flight_since = None
-        self._completed += 1
+        self._completed += int(completed)
 
     def failed(self, error: BaseException) -> LostWorkerError:
         """The error to raise when a collective failed inside the backend: names the lost worker if found.

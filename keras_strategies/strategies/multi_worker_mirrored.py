@@ -30,6 +30,7 @@ from keras_strategies.multi_worker.communication import CommunicationImplementat
 from keras_strategies.multi_worker.health import HealthMonitor
 from keras_strategies.multi_worker.joining import JoinWatch
 from keras_strategies.distribute.reduce_op import ReduceOp
+from keras_strategies.backend.common.pending import Finished
 from keras_strategies.backend.common.replica_variables import FIRST
 from keras_strategies.distribute.strategy import Strategy
 from keras_strategies.distribute.values import PerReplica, is_distributed
@@ -57,6 +58,23 @@ def join_cluster(cluster: WorkerCluster, options: CommunicationOptions) -> None:
             f"of {list(cluster.addresses)}). A process belongs to one cluster: create every "
             "ks.MultiWorkerMirroredStrategy of a program from the same TF_CONFIG or cluster resolver."
         )
+
+
+class _PendingSum:
+    """A cross-worker sum under way; `wait()` returns it, or raises `LostWorkerError` naming a lost
+    worker, and the watchdog bounds the wait."""
+
+    def __init__(self, monitor: Any, started: Any, what: str):
+        self._monitor, self._started, self._what = monitor, started, what
+
+    def wait(self) -> list:
+        self._monitor.begin(self._what)
+        try:
+            result = self._started.wait()
+        except Exception as error:  # noqa: BLE001 - re-raised, naming the lost worker
+            raise self._monitor.failed(error) from error
+        self._monitor.end()
+        return result
 
 
 class MultiWorkerMirroredExtended(MirroredExtended):
@@ -136,13 +154,25 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             return list(values)
         if engine.collectives.tracing():
             return engine.collectives.all_reduce_sum(list(values), donated)  # inside a compiled function
+        return self._start_cross_worker_sum(values, what, donated).wait()
+
+    def _start_cross_worker_sum(self, values: list, what: str = "all-reduce", donated: Any = False) -> Any:
+        """Starts `_cross_worker_sum` (eagerly, several workers); `.wait()` gives the sums.
+
+        Where the engine sends in the background (PyTorch), the caller goes on
+        meanwhile: a train step sends its gradients during the backward pass.
+        Every worker must start the same sums in the same order.
+        """
+        if self._cluster.num_workers == 1 or not values:
+            return Finished(list(values))
         self._monitor.begin(what)
         try:
-            result = engine.collectives.all_reduce_sum(list(values), donated)
+            started = engine.collectives.start_all_reduce_sum(list(values), donated)
         except Exception as error:  # noqa: BLE001 - re-raised, naming the lost worker
             raise self._monitor.failed(error) from error
-        self._monitor.end()
-        return result
+        # Completed in `wait`; the watchdog watches the wait, not the caller's work in between.
+        self._monitor.end(completed=False)
+        return _PendingSum(self._monitor, started, what)
 
     def _cross_worker_gather(self, value: Any, axis: int) -> Any:
         """`value` of every worker concatenated along `axis` (sizes along `axis` may differ)."""

@@ -131,32 +131,47 @@ def own_rows(shards: Any, structure: Any, capacity: int) -> Any:
 
 
 class Exchange:
-    """Named lists of tensors summed across workers together (packed by dtype)."""
+    """Named lists of tensors summed across workers together (packed by dtype).
 
-    def __init__(self, sum_across_workers: Callable[..., list]):
-        self._sum = sum_across_workers
+    `start_sum(values, what, donated)` starts a cross-worker sum and returns
+    an object whose `wait()` gives it (the strategy's `_start_cross_worker_sum`).
+    """
+
+    def __init__(self, start_sum: Callable[..., Any]):
+        self._start_sum = start_sum
         self._parts: list = []
+        self._started: Any = None
 
     def add(self, name: str, values: list, donated: bool = False) -> None:
         """`donated=True`: the values are temporaries of the step, which the engine may sum in place."""
         self._parts.append((name, list(values), donated))
 
-    def run(self, what: str) -> dict:
+    def start(self, what: str) -> None:
+        """Starts the sum; where the engine sends in the background, the caller goes on meanwhile."""
         flat = [value for _, values, _ in self._parts for value in values]
         donated = [given for _, values, given in self._parts for _ in values]
         # Small integers (class labels) travel as float32, exactly, so that a step needs one
         # collective rather than one per dtype.
-        as_float = [isinstance(v, np.ndarray) and v.dtype.kind in "iub" and (v.size == 0 or np.abs(v).max() < 2**24)
-                    for v in flat]
-        sent = [v.astype("float32") if cast else v for v, cast in zip(flat, as_float)]
-        summed = self._sum(sent, what, donated)
+        self._as_float = [isinstance(v, np.ndarray) and v.dtype.kind in "iub" and (v.size == 0 or np.abs(v).max() < 2**24)
+                          for v in flat]
+        sent = [v.astype("float32") if cast else v for v, cast in zip(flat, self._as_float)]
+        self._flat = flat
+        self._started = self._start_sum(sent, what, donated)
+
+    def result(self) -> dict:
+        """Waits for the sum started by `start`: the summed lists by name."""
+        summed = self._started.wait()
         summed = [np.rint(_numpy(v)).astype(original.dtype) if cast else v
-                  for v, original, cast in zip(summed, flat, as_float)]
+                  for v, original, cast in zip(summed, self._flat, self._as_float)]
         result, start = {}, 0
         for name, values, _ in self._parts:
             result[name] = summed[start:start + len(values)]
             start += len(values)
         return result
+
+    def run(self, what: str) -> dict:
+        self.start(what)
+        return self.result()
 
 
 def non_trainable_payload(variables: list, per_replica: list, host: str) -> tuple[list, list]:

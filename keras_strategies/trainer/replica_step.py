@@ -48,7 +48,7 @@ from keras_strategies.keras_integration import loss_reduction
 from keras_strategies.keras_integration import optimizer_hooks
 from keras_strategies.backend import engine
 from keras_strategies.input import padding, worker_sharding
-from keras_strategies.trainer import cross_worker
+from keras_strategies.trainer import cross_worker, gradient_buckets
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
 from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.distribute.values import PerReplica
@@ -201,6 +201,8 @@ class ReplicaStep:
         self._compiled_steps: dict = {}  # step kind -> the whole step, compiled (`_compiled_step`)
         self._unsettled = False  # whether a whole step ran since the last `settle`
         self._rows_capacity = 0  # rows of the exchanged prediction buffers, the same on every worker
+        self._backward_hooks: Optional[_OverlappedExchange] = None  # the train step's, while its replica runs
+        self._bucket_layouts: dict = {}  # bytes per bucket -> the gradients' buckets
         make = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=compiled)
         self._train = make(self._replica_train)
         self._test = make(self._replica_test)
@@ -262,7 +264,10 @@ class ReplicaStep:
         with self._enter(replica_id, mask):
             x, y, sample_weight = as_tensors((x, y, sample_weight))
             sample_weight = loss_reduction.enter_replica_loss(weights[0], as_tensors(mask), sample_weight)
-            grad_fn = engine.gradients.value_and_grad(functools.partial(self._objective, training=True))
+            objective = functools.partial(self._objective, training=True)
+            hooks = self._backward_hooks
+            grad_fn = engine.gradients.value_and_grad(objective) if hooks is None else \
+                engine.gradients.value_and_grad(objective, hooks=hooks)
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, weights)
             if self.reduce_in_program:
                 grads, loss = self._local_sum([list(grads), aux[0]])
@@ -583,6 +588,8 @@ class ReplicaStep:
             self._assign_non_trainable(non_trainable)
             return logs
         self.settle()
+        if self._overlaps_backward():
+            return self._overlapped_train_step(shards, loss_scale, full_batch, stop_asked)
         outputs = self._run_on_replicas("train", shards, loss_scale, full_batch)
         if self.reduce_in_program:
             grads, loss = self._sums_of_first_replica(outputs)
@@ -599,6 +606,26 @@ class ReplicaStep:
         else:
             global_predictions = self._global_predictions(tuple(shards.sizes), predictions)
             finish = functools.partial(self._assign_non_trainable, non_trainable)
+        logs = self._apply_and_measure(grads, loss, global_predictions, self._global_batch(shards))
+        finish()
+        return logs
+
+    def _overlaps_backward(self) -> bool:
+        """Whether train steps send across workers during the backward pass: several workers, one
+        local replica, and an engine that reports gradients as its backward pass computes them."""
+        return self.num_workers > 1 and len(self.devices) == 1 and engine.gradients.OVERLAPS_BACKWARD
+
+    def _overlapped_train_step(self, shards: Shards, loss_scale: float, full_batch: bool, stop_asked: bool) -> Any:
+        """`train_step` with the exchange running during the backward pass (see `_OverlappedExchange`)."""
+        overlapped = self._backward_hooks = _OverlappedExchange(self, shards, stop_asked)
+        try:
+            outputs = self._run_on_replicas("train", shards, loss_scale, full_batch)
+        finally:
+            self._backward_hooks = None
+        exchanged = overlapped.finish(list(outputs[0][0]))
+        if exchanged is STOPPED:  # no update, no metrics: as if the step had not run
+            return STOPPED
+        grads, loss, global_predictions, finish = exchanged
         logs = self._apply_and_measure(grads, loss, global_predictions, self._global_batch(shards))
         finish()
         return logs
@@ -664,6 +691,13 @@ class ReplicaStep:
         Returns `(grads, loss, global predictions, finish)`; `finish()` assigns the
         non-trainable values once the update is applied. Returns `STOPPED` when a
         worker asked to stop before this step (its flag rides along).
+        """
+        return self._finish_exchange(self._start_exchange(shards, grads, loss, predictions, non_trainable, stop_asked))
+
+    def _start_exchange(self, shards: Shards, grads: list, loss: Any, predictions: list, non_trainable: Any = None,
+                        stop_asked: bool = False, training: bool = False) -> dict:
+        """Starts `_exchange`'s all-reduce; `_finish_exchange` waits for it (`training`: a train
+        step whose gradients travel on their own, see `_OverlappedExchange`).
 
         The rows (predictions, targets) travel in buffers of an agreed number
         of rows, so that the all-reduce has the same shapes on every worker even
@@ -671,30 +705,36 @@ class ReplicaStep:
         clearly. A global batch larger than that number (the first step, a
         larger batch size) grows it on every worker and sends the rows again.
         """
-        host = self.host
-        sum_across_workers = self.strategy.extended._cross_worker_sum
-        what = "gradient all-reduce" if grads else "predictions all-gather"
-        exchange = cross_worker.Exchange(sum_across_workers)
+        what = "gradient all-reduce" if grads else "loss and predictions all-reduce" if training else "predictions all-gather"
+        exchange = cross_worker.Exchange(self.strategy.extended._start_cross_worker_sum)
         # The stop flag rides with the fingerprint: no extra operand (on JAX, one gloo call each).
         exchange.add("check", [cross_worker.batch_check(shards, stop_asked)])
         exchange.add("grads", grads, donated=True)
         exchange.add("loss", [] if loss is None else [loss], donated=True)
         local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
         buffers, targets = self._add_rows(exchange, shards, local_parts, predictions[0])
-        variables = self.model.non_trainable_variables
         kinds: list = []
         if non_trainable is not None:
-            payload, kinds = cross_worker.non_trainable_payload(variables, non_trainable, host)
+            payload, kinds = cross_worker.non_trainable_payload(self.model.non_trainable_variables, non_trainable, self.host)
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
-        result = exchange.run(what)
-        exact = not grads and loss is None  # predict: outputs must line up with the input
+        exchange.start(what)
+        return dict(exchange=exchange, what=what, shards=shards, grads=grads, loss=loss, predictions=predictions,
+                    local_parts=local_parts, buffers=buffers, targets=targets, non_trainable=non_trainable, kinds=kinds,
+                    training=training)
+
+    def _finish_exchange(self, started: dict):
+        """Waits for `_start_exchange`'s all-reduce: `_exchange`'s result."""
+        shards, host = started["shards"], self.host
+        buffers, targets = started["buffers"], started["targets"]
+        result = started["exchange"].result()
+        exact = not (started["grads"] or started["training"]) and started["loss"] is None  # predict: outputs must line up with the input
         if cross_worker.stop_or_check(result["check"][0], shards, self.num_workers, exact):
             return STOPPED
         if shards.batch > self._rows_capacity:  # the same batch size on every worker (checked above)
             self._rows_capacity = shards.batch
-            again = cross_worker.Exchange(sum_across_workers)
-            buffers, targets = self._add_rows(again, shards, local_parts, predictions[0])
-            result.update(again.run(what))
+            again = cross_worker.Exchange(self.strategy.extended._start_cross_worker_sum)
+            buffers, targets = self._add_rows(again, shards, started["local_parts"], started["predictions"][0])
+            result.update(again.run(started["what"]))
         rows = lambda value: ops.convert_to_numpy(value)[:shards.batch]  # noqa: E731
         on_host = lambda value: engine.devices.copy_to(ops.convert_to_tensor(value), host)  # noqa: E731
         y_pred = tree.pack_sequence_as(buffers, [on_host(rows(p)) for p in result["predictions"]])
@@ -703,11 +743,55 @@ class ReplicaStep:
         summed_targets = iter(result["targets"])
         flat_targets = [None if leaf is None else rows(next(summed_targets)) for leaf in tree.flatten(targets)]
         shards.y, shards.sample_weight = tree.pack_sequence_as(targets, flat_targets)
+        non_trainable, kinds = started["non_trainable"], started["kinds"]
 
         def finish() -> None:
             if non_trainable is not None:
                 *totals, count = result["non_trainable"]
-                cross_worker.assign_non_trainable(variables, kinds, totals, float(ops.convert_to_numpy(count)))
+                cross_worker.assign_non_trainable(self.model.non_trainable_variables, kinds, totals,
+                                                  float(ops.convert_to_numpy(count)))
 
+        loss = started["loss"]
         loss = on_host(result["loss"][0]) if loss is not None else None
         return [on_host(g) for g in result["grads"]], loss, y_pred, finish
+
+
+class _OverlappedExchange:
+    """A multi-worker train step's exchange that runs during the backward pass (one local replica,
+    an engine that reports gradients as it computes them, `engine.gradients.OVERLAPS_BACKWARD`).
+
+    After the forward pass, the step's other values (batch check, loss,
+    predictions, targets, non-trainable values) start on their way; then the
+    gradients go in buckets as the backward pass computes them
+    (`gradient_buckets.py`), as torch DDP sends them.
+    """
+
+    def __init__(self, step: ReplicaStep, shards: Shards, stop_asked: bool):
+        self._step, self._shards, self._stop_asked = step, shards, stop_asked
+        trainable = step.model.trainable_variables
+        bucket_bytes = step.strategy.extended._communication_options.bytes_per_pack or gradient_buckets.DEFAULT_BUCKET_BYTES
+        layout = step._bucket_layouts.get(bucket_bytes)
+        if layout is None:
+            dtypes = [keras_backend.standardize_dtype(v.dtype) for v in trainable]
+            layout = step._bucket_layouts[bucket_bytes] = gradient_buckets.layout(
+                [tuple(v.shape) for v in trainable], dtypes, [np.dtype(d).itemsize for d in dtypes], bucket_bytes)
+        self.buckets = gradient_buckets.GradientBuckets(layout, step.strategy.extended._start_cross_worker_sum)
+        self.started: Optional[dict] = None
+
+    def before_backward(self, aux: Any) -> None:
+        shards = self._shards
+        non_trainable = [aux[2]] if shards.active else []
+        self.started = self._step._start_exchange(shards, [], aux[0], [aux[1]], non_trainable, self._stop_asked,
+                                                  training=True)
+
+    def ready(self, index: int, grad: Any) -> None:
+        self.buckets.ready(index, grad)
+
+    def finish(self, grads: list):
+        """After the backward pass (`grads`: this worker's): `_exchange`'s result."""
+        summed = self.buckets.finish(grads)
+        exchanged = self._step._finish_exchange(self.started)
+        if exchanged is STOPPED:
+            return STOPPED
+        _, loss, global_predictions, finish = exchanged
+        return [self._step._on_host(g) for g in summed], loss, global_predictions, finish

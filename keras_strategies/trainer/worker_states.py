@@ -40,7 +40,7 @@ def capture(model: Any, kind: str) -> list:
 def combine(model: Any, kind: str, extended: Any, before: list, replicas_with_rows: int) -> None:
     """Sums metric changes and averages non-trainable values across workers, weighted by their replicas with rows."""
     metrics, non_trainable = _parts(model, kind)
-    exchange = Exchange(extended._cross_worker_sum)
+    exchange = Exchange(extended._start_cross_worker_sum)
     idle = replicas_with_rows == 0
     exchange.add("metrics", [np.zeros_like(old) if idle else _numpy(v.value) - old for v, old in zip(metrics, before)])
     weight = float(replicas_with_rows)

@@ -98,12 +98,39 @@ def test_a_model_with_large_gradients_trains_like_one_process(wide):
 
 def test_every_step_hands_its_large_gradients_to_the_exchange_as_they_are(wide):
     # The engine decides the layout: torch and JAX sum each 1 MiB gradient on its own, without a
-    # copy into a pack, TF packs per dtype as its own strategy does. (Packing all gradients into
-    # one buffer in JAX's replica program was tried: the copy cost what fewer gloo calls saved.)
+    # copy into a pack, TF packs per dtype as its own strategy does; torch with one replica per
+    # worker sends the gradients in buckets during the backward pass, copied into the bucket (a
+    # gradient autograd reports may still be in use). (Packing all gradients into one buffer in
+    # JAX's replica program was tried: the copy cost what fewer gloo calls saved.)
     _, workers = wide
     for worker in workers:
-        sent = [step for step in json.loads(str(worker["large_sent"])) if step]
-        assert len(sent) == 8 and all(step == [WIDE * WIDE] * 2 for step in sent), sent  # every step of 2 epochs
+        sent = [size for call in json.loads(str(worker["large_sent"])) for size in call]
+        assert sent == [WIDE * WIDE] * 16, sent  # both gradients, every step of 2 epochs
+
+
+def _overlaps(request) -> bool:
+    """Whether the wide model's gradients go in buckets during the backward pass: PyTorch, one replica per worker."""
+    return keras.backend.backend() == "torch" and request.node.callspec.id == "2x1"
+
+
+def test_gradients_are_sent_during_the_backward_pass_where_the_engine_reports_them(wide, request):
+    # With bytes_per_pack=1, each gradient is a bucket of its own, sent as soon as autograd has
+    # computed it; the loss, predictions and targets are sent before the backward pass starts.
+    # TensorFlow and JAX compute the gradients in one program: everything goes after it.
+    _, workers = wide
+    for worker in workers:
+        started = json.loads(str(worker["sums_started"]))
+        grads = [inside for what, inside in started if what == "gradient all-reduce"]
+        if _overlaps(request):
+            assert len(grads) == 8 * 6 and all(grads), started  # 6 gradients per step, 8 steps
+            # Each step's gradient sums follow its loss and predictions sum.
+            whats = [what for what, _ in started]
+            firsts = [i for i, what in enumerate(whats) if what == "gradient all-reduce" and whats[i - 1] != what]
+            assert len(firsts) == 8 and all(whats[i - 1] == "loss and predictions all-reduce" for i in firsts), whats
+            assert not any(inside for what, inside in started if what != "gradient all-reduce")
+        else:
+            # One per step, and the first step's rows again (see `ReplicaStep._start_exchange`).
+            assert len(grads) == 8 + 1 and not any(inside for _, inside in started), started
 
 
 @pytest.mark.parametrize("name", ["keras_steps", "own_steps"], ids=["Keras steps", "model's own steps"])

@@ -18,7 +18,7 @@ from jax._src import core, distributed, xla_bridge
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keras_strategies.backend.common import loopback, packing, timeouts
+from keras_strategies.backend.common import loopback, packing, pending, timeouts
 from keras_strategies.backend.jax import coordination_service
 
 _state: dict = {}
@@ -140,6 +140,15 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     # Wait for the result: the CPU runtime may run independent programs concurrently, and
     # collectives must run in the same order on every worker (and the watchdog must see them).
     return jax.block_until_ready([out.addressable_data(0) for out in program(*global_arrays)])
+
+
+def start_all_reduce_sum(values: list, donated: Any = False) -> pending.Finished:
+    """`all_reduce_sum(values, donated)` as a pending result (the engines' common interface).
+
+    JAX runs it at once: its cross-worker sum is a compiled program that the
+    CPU runtime must finish before the next collective (see `all_reduce_sum`).
+    """
+    return pending.Finished(all_reduce_sum(values, donated))
 
 
 def kv_set(key: str, value: str) -> None:

@@ -15,9 +15,8 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from keras_strategies.backend.common import partition
+from keras_strategies.backend.common import packing, partition, pending
 from keras_strategies.backend.tensorflow import gradients
-from keras_strategies.backend.common import packing
 
 _state: dict = {}
 
@@ -196,6 +195,15 @@ def _all_reduce_dense(values: list) -> list:
     tensors = [tf.cast(t, tf.float32) if t.dtype in _HALF_FLOATS else t for t in tensors]
     summed = _eager_program(tensors)(tensors) if tf.executing_eagerly() else _packed_all_reduce(tensors)
     return [value if value.dtype == dtype else tf.cast(value, dtype) for value, dtype in zip(summed, dtypes)]
+
+
+def start_all_reduce_sum(values: list, donated: Any = False) -> pending.Finished:
+    """`all_reduce_sum(values, donated)` as a pending result (the engines' common interface).
+
+    TensorFlow runs it at once: its eager collectives are compiled programs
+    whose order on every worker is kept by running them one after another.
+    """
+    return pending.Finished(all_reduce_sum(values, donated))
 
 
 def kv_set(key: str, value: str) -> None:

@@ -8,6 +8,11 @@ import tensorflow as tf
 from keras import ops
 
 
+# Whether `value_and_grad` can report gradients while the backward pass runs: no, the tape's
+# gradient is one graph call (a cross-worker sum overlapping it would have to be inside that graph).
+OVERLAPS_BACKWARD = False
+
+
 def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:
     """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`."""
 

@@ -135,6 +135,32 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     round trips are already done. The collectives are spread over two gloo
     groups, which run in parallel.
     """
+    return start_all_reduce_sum(values, donated).wait()
+
+
+class _PendingSum:
+    """An `all_reduce_sum` under way in gloo's threads; `wait()` gives its sums."""
+
+    def __init__(self, originals: list, tensors: list, alone: list, groups: list, packs: list, works: list):
+        self._originals, self._tensors, self._alone = originals, tensors, alone
+        self._groups, self._packs, self._works = groups, packs, works
+
+    def wait(self) -> list:
+        for work in self._works:
+            work.wait()
+        tensors = self._tensors
+        outputs: list = [None] * len(tensors)
+        for group, flat in zip(self._groups, self._packs):
+            for i, piece in zip(group, flat.split([tensors[i].numel() for i in group])):
+                outputs[i] = piece.view(tensors[i].shape)
+        for i in self._alone:
+            outputs[i] = tensors[i]
+        return [out.to(original.device) for out, original in zip(outputs, self._originals)]
+
+
+def start_all_reduce_sum(values: list, donated: Any = False) -> _PendingSum:
+    """Starts `all_reduce_sum(values, donated)` and returns at once: gloo sends while the caller
+    goes on (a backward pass sends its first gradients while it computes the others)."""
     originals = [_as_torch(v) for v in values]
     tensors = [t.detach().cpu() for t in originals]
     alone, groups = packing.plan([t.dtype for t in tensors], [t.numel() * t.element_size() for t in tensors],
@@ -143,18 +169,10 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     for group in groups:
         flat = _state["packs"].take(tensors[group[0]].dtype, sum(tensors[i].numel() for i in group))
         torch.cat([tensors[i].reshape(-1) for i in group], out=flat)
-        packs.append(flat)
-    pending = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True, group=group)
-               for t, group in _spread(packs + [tensors[i] for i in alone])]
-    for work in pending:
-        work.wait()
-    outputs: list = [None] * len(tensors)
-    for group, flat in zip(groups, packs):
-        for i, piece in zip(group, flat.split([tensors[i].numel() for i in group])):
-            outputs[i] = piece.view(tensors[i].shape)
-    for i in alone:
-        outputs[i] = tensors[i]
-    return [out.to(original.device) for out, original in zip(outputs, originals)]
+        packs.append(flat.view(-1))  # a view holds the buffer: no call takes it while this one is under way
+    works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True, group=group)
+             for t, group in _spread(packs + [tensors[i] for i in alone])]
+    return _PendingSum(originals, tensors, alone, groups, packs, works)
 
 
 def kv_set(key: str, value: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -12,8 +13,20 @@ from keras.src import tree
 from keras_strategies.backend.torch import vectorized
 
 
-def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:
-    """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`."""
+# Whether `value_and_grad` can report each gradient while the backward pass still runs (`hooks`):
+# autograd runs a tensor's hooks as soon as its gradient is computed.
+OVERLAPS_BACKWARD = True
+
+
+def value_and_grad(fn: Callable[..., tuple[Any, Any]], hooks: Any = None) -> Callable[..., tuple[tuple[Any, Any], list]]:
+    """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`.
+
+    `hooks` (outside vectorised replicas): `hooks.before_backward(aux)` runs
+    after the forward pass, and `hooks.ready(i, grad)` as soon as the
+    backward pass has computed gradient `i` (a train step sends gradients
+    across workers meanwhile). Gradients the objective does not reach are not
+    reported; the caller has them in `grads`.
+    """
 
     def wrapped(trainable, *args):
         if vectorized.active():  # `torch.autograd.grad` cannot run inside `vmap`
@@ -24,8 +37,17 @@ def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tu
             return (objective, aux), list(grads)
         leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in trainable]
         objective, aux = fn(leaves, *args)
+        handles = []
+        if hooks is not None:
+            hooks.before_backward(aux)
+            handles = [leaf.register_hook(functools.partial(_report, hooks.ready, index))
+                       for index, leaf in enumerate(leaves) if leaf.requires_grad]
         differentiable = [leaf for leaf in leaves if leaf.requires_grad]
-        found = iter(torch.autograd.grad(objective, differentiable, allow_unused=True))
+        try:
+            found = iter(torch.autograd.grad(objective, differentiable, allow_unused=True))
+        finally:
+            for handle in handles:  # the hooks refer to the step: no reference cycle through the leaves
+                handle.remove()
         grads = []
         for leaf in leaves:
             grad = next(found) if leaf.requires_grad else None
@@ -34,6 +56,10 @@ def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tu
         return (objective.detach(), tree.map_structure(detach, aux)), grads
 
     return wrapped
+
+
+def _report(ready: Callable[[int, Any], None], index: int, grad: torch.Tensor) -> None:
+    ready(index, grad)  # returns None: the gradient itself is unchanged
 
 
 def variables_value_and_grad(fn: Callable[..., Any], variables: list, args: tuple, kwargs: dict) -> tuple[Any, list]:

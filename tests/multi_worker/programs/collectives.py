@@ -28,27 +28,46 @@ task_id = strategy.cluster_resolver.task_id
 results = {}
 
 
+def _in_backward_pass() -> bool:
+    """Whether a PyTorch backward pass is running (the other engines never report one)."""
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch._C._current_graph_task_id() >= 0
+
+
 def wide_fit() -> None:
-    """`fit` of a model with two 1 MiB gradients, recording what its exchanges send."""
+    """`fit` of a model with two 1 MiB gradients, recording what its exchanges send.
+
+    With `bytes_per_pack=1`, where gradients go in buckets during the backward
+    pass (PyTorch, one replica per worker), each gradient is a bucket of its own.
+    """
     keras.utils.set_random_seed(100 + task_id)
+    strategy = ks.MultiWorkerMirroredStrategy(
+        communication_options=ks.CommunicationOptions(timeout_seconds=120, bytes_per_pack=1))
     with strategy.scope():
         model = build_wide_model()
     if strategy.extended.should_checkpoint:
         np.savez(os.path.join(out, "wide_initial.npz"), *model.get_weights())
     x, y = wide_data()
-    # What the train step's exchanges send: the sizes of the values of 1 MiB or more.
-    sum_across_workers, large_sizes = strategy.extended._cross_worker_sum, []
+    # What the train step's exchanges send: the sizes of the values of 1 MiB or more (every
+    # cross-worker sum starts with `_start_cross_worker_sum`).
+    # Also what each sum was and whether it started inside a backward pass.
+    start_sum, large_sizes, started = strategy.extended._start_cross_worker_sum, [], []
 
     def recording_sum(values, what="all-reduce", donated=False):
         if what == "gradient all-reduce":
             sizes = [int(np.prod(tuple(v.shape))) for v in values]
             large_sizes.append(sorted(size for size in sizes if size * 4 >= 1 << 20))
-        return sum_across_workers(values, what, donated)
+        started.append([what, _in_backward_pass()])
+        return start_sum(values, what, donated)
 
-    strategy.extended._cross_worker_sum = recording_sum
+    strategy.extended._start_cross_worker_sum = recording_sum
     wide_run = keras_run(model, x, y)
-    del strategy.extended._cross_worker_sum
-    results["large_sent"] = json.dumps(large_sizes)  # per exchange (the first step sends its rows again)
+    del strategy.extended._start_cross_worker_sum
+    results["large_sent"] = json.dumps(large_sizes)  # per sum (the first step sends its rows again)
+    results["sums_started"] = json.dumps(started)
     for key, value in wide_run.items():
         if key == "weights":
             for i, weight in enumerate(value):
