@@ -209,16 +209,21 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
     """Mean ms per step of the top-level pieces of ks's train step, over one more epoch of fit.
 
     Wraps (in this process only) the model's `ReplicaStep` methods, the engine's
-    `optimizer.apply_gradients` and `strategy.extended._cross_worker_sum` (as
-    called from `_exchange`) with `perf_counter` timers that wait for each
-    piece's results (JAX dispatches asynchronously). Also records what one step
-    sends across workers (bytes, dtypes: the engines run one collective per
-    dtype) and each step's collective time, so that the parent can take, step by
-    step, the smaller of the two workers' times: the worker that arrives last
-    waits least, so that is about the transfer itself.
+    `optimizer.apply_gradients` and `strategy.extended._start_cross_worker_sum`
+    (every cross-worker sum starts there; its time is the start plus the wait)
+    with `perf_counter` timers that wait for each piece's results (JAX dispatches
+    asynchronously). Where the exchange runs during the backward pass (PyTorch,
+    one replica per worker), its sums start inside `_train` and the exchange
+    column is what is left after the backward pass: the waits and the unpacking
+    (`_OverlappedExchange.finish`). Also records what one step sends across
+    workers (bytes, dtypes: the engines run one collective per dtype) and each
+    step's collective time, so that the parent can take, step by step, the
+    smaller of the two workers' times: the worker that arrives last waits least,
+    so that is about the transfer itself.
     """
     import numpy as np
     from keras_strategies.backend import engine
+    from keras_strategies.trainer import replica_step
 
     holder = getattr(model, "_ks_replica_step", None)
     step_obj = getattr(getattr(holder, "train_step", None), "__self__", None)
@@ -228,65 +233,85 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
 
     totals = {name: 0.0 for name in BREAKDOWN_SECTIONS + ("train_step",)}
     collective_ms: list = []
-    payload: dict = {}
-    inside = {"exchange": False}
+    payload: dict = {"bytes": 0, "tensors": 0, "dtypes": set()}
+    state = {"inside": 0, "step": 0, "step_ms": 0.0}
 
     def timed(name, fn, after=None):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
-            if name == "_exchange":
-                inside["exchange"] = True
+            if name == "train_step":
+                state["step"] += 1
+                state["step_ms"] = 0.0
+            state["inside"] += name in ("_train", "_exchange")
             try:
                 out = fn(*args, **kwargs)
                 sync(out if after is None else after())
             finally:
-                inside["exchange"] = False
+                state["inside"] -= name in ("_train", "_exchange")
                 totals[name] += time.perf_counter() - start
+                if name == "train_step":
+                    collective_ms.append(state["step_ms"])
             return out
 
         return wrapper
 
-    extended = strategy.extended
-    cross_worker_sum = extended._cross_worker_sum
+    class TimedWait:
+        def __init__(self, started, ms):
+            self._started, self._ms = started, ms
 
-    def counted_sum(values, what="all-reduce", donated=False):
-        if not inside["exchange"]:
-            return cross_worker_sum(values, what, donated)
-        if not payload:  # what one step sends (the same every step)
+        def wait(self):
+            start = time.perf_counter()
+            out = self._started.wait()
+            sync(out)
+            state["step_ms"] += self._ms + 1e3 * (time.perf_counter() - start)
+            return out
+
+    extended = strategy.extended
+    start_sum = getattr(extended, "_start_cross_worker_sum", None)
+
+    def counted_start(values, what="all-reduce", donated=False):
+        if not state["inside"]:
+            return start_sum(values, what, donated)
+        if state["step"] == 2:  # what one step sends (the same every step but the first)
             arrays = [np.asarray(keras.ops.convert_to_numpy(v)) for v in values]
-            payload.update(bytes=sum(a.nbytes for a in arrays), dtypes=sorted({str(a.dtype) for a in arrays}),
-                           tensors=len(arrays))
+            payload["bytes"] += sum(a.nbytes for a in arrays)
+            payload["tensors"] += len(arrays)
+            payload["dtypes"].update(str(a.dtype) for a in arrays)
         start = time.perf_counter()
-        out = cross_worker_sum(values, what, donated)
-        sync(out)
-        collective_ms.append(1e3 * (time.perf_counter() - start))
-        return out
+        started = start_sum(values, what, donated)
+        return TimedWait(started, 1e3 * (time.perf_counter() - start))
 
     patched = [(step_obj, name) for name in ("_train", "_exchange", "_update_metrics", "train_step")]
     for obj, name in patched:
         object.__setattr__(obj, name, timed(name, getattr(obj, name)))
+    overlapped = getattr(replica_step, "_OverlappedExchange", None)
+    overlapped_finish = getattr(overlapped, "finish", None)
+    if overlapped_finish is not None:
+        overlapped.finish = timed("_exchange", overlapped_finish)
     engine_apply = engine.optimizer.apply_gradients
     engine.optimizer.apply_gradients = timed(
         "optimizer", engine_apply, after=lambda: [v.value for v in model.optimizer.variables]
     )
-    extended._cross_worker_sum = counted_sum
+    if start_sum is not None:  # (a snapshot from before it existed: no collective times)
+        extended._start_cross_worker_sum = counted_start
     holder.train_step = step_obj.train_step
     steps = x.shape[0] // GLOBAL_BATCH
     try:
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
     finally:
         engine.optimizer.apply_gradients = engine_apply
-        del extended._cross_worker_sum
+        extended.__dict__.pop("_start_cross_worker_sum", None)
+        if overlapped_finish is not None:
+            overlapped.finish = overlapped_finish
         for obj, name in patched:
             obj.__dict__.pop(name, None)
         holder.train_step = step_obj.train_step
     result = {name: 1e3 * value / steps for name, value in totals.items()}
     result["collective"] = sum(collective_ms) / steps
     result["collective_ms"] = collective_ms
-    result["collective_calls_per_step"] = len(collective_ms) / steps
-    result["payload_kb"] = payload.get("bytes", 0) / 1024
-    result["payload_tensors"] = payload.get("tensors", 0)
-    result["dtypes"] = payload.get("dtypes", [])
+    result["payload_kb"] = payload["bytes"] / 1024
+    result["payload_tensors"] = payload["tensors"]
+    result["dtypes"] = sorted(payload["dtypes"])
     return result
 
 
@@ -889,7 +914,6 @@ def run_parent(args) -> int:
         rest = total - sum(part[name] for name in BREAKDOWN_SECTIONS)
         mine, theirs = part.get("collective_ms", []), other.get("collective_ms", [])
         last = _median([min(a, b) for a, b in zip(mine, theirs)]) if mine and len(mine) == len(theirs) else None
-        last = None if last is None else last * part["collective_calls_per_step"]
         breakdown_lines.append(
             f"| {backend} | {total:.2f} | {share(part['_train'])} | {share(part['_exchange'])} | "
             f"{share(part['collective'])} | {'—' if last is None else share(last)} | {share(part['optimizer'])} | "

@@ -13,7 +13,7 @@ different data (e.g. unseeded shuffles).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 from keras import ops
@@ -141,10 +141,15 @@ class Exchange:
         self._start_sum = start_sum
         self._parts: list = []
         self._started: Any = None
+        self._result: Optional[dict] = None
 
     def add(self, name: str, values: list, donated: bool = False) -> None:
         """`donated=True`: the values are temporaries of the step, which the engine may sum in place."""
         self._parts.append((name, list(values), donated))
+
+    @property
+    def started(self) -> bool:
+        return self._started is not None
 
     def start(self, what: str) -> None:
         """Starts the sum; where the engine sends in the background, the caller goes on meanwhile."""
@@ -159,7 +164,9 @@ class Exchange:
         self._started = self._start_sum(sent, what, donated)
 
     def result(self) -> dict:
-        """Waits for the sum started by `start`: the summed lists by name."""
+        """Waits for the sum started by `start`: the summed lists by name (the same on every call)."""
+        if self._result is not None:
+            return self._result
         summed = self._started.wait()
         summed = [np.rint(_numpy(v)).astype(original.dtype) if cast else v
                   for v, original, cast in zip(summed, self._flat, self._as_float)]
@@ -167,6 +174,7 @@ class Exchange:
         for name, values, _ in self._parts:
             result[name] = summed[start:start + len(values)]
             start += len(values)
+        self._result = result
         return result
 
     def run(self, what: str) -> dict:

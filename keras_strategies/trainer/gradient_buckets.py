@@ -3,7 +3,11 @@
 As torch DDP does: the gradients are laid out in buckets in reverse order
 (a backward pass computes the last layers' gradients first), and a bucket's
 all-reduce starts as soon as its gradients are ready, in the engine's
-background threads, while the backward pass computes the others. Buckets
+background threads, while the backward pass computes the others. The last
+bucket starts after the backward pass, with the step's other values: a model
+whose gradients fit in one bucket makes one all-reduce per step, as without
+buckets, and that bucket's gradients, no longer used by autograd, may be
+summed in place. Buckets
 start strictly in order, and their layout depends only on the gradients'
 shapes and dtypes, so every worker starts the same all-reduces in the same
 order whatever order its backward pass reports them in.
@@ -11,7 +15,7 @@ order whatever order its backward pass reports them in.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 # Without `CommunicationOptions.bytes_per_pack`: buckets of about this size, torch DDP's default.
 # Every all-reduce has a fixed cost: on the MLP of the benchmarks page (600 KB of gradients, two
@@ -41,12 +45,14 @@ class GradientBuckets:
     bucket's cross-worker sum once it is complete; `finish` returns the summed gradients.
 
     `start_sum(values, what)` starts a cross-worker sum and returns an object
-    whose `wait()` gives it.
+    whose `wait()` gives it; `start_last` (default `start_sum`) starts the last
+    bucket's, in `finish`, with which the step's other values may travel.
     """
 
-    def __init__(self, buckets: list[list[int]], start_sum: Callable[[list, str], Any]):
+    def __init__(self, buckets: list[list[int]], start_sum: Callable[[list, str], Any],
+                 start_last: Optional[Callable[[list, str], Any]] = None):
         self._buckets = buckets
-        self._start_sum = start_sum
+        self._start_sum, self._start_last = start_sum, start_last or start_sum
         self._bucket_of = {index: b for b, bucket in enumerate(buckets) for index in bucket}
         self._grads: list = [None] * len(self._bucket_of)
         self._missing = [len(bucket) for bucket in buckets]
@@ -60,7 +66,8 @@ class GradientBuckets:
             self._start_complete()
 
     def _start_complete(self) -> None:
-        while len(self._started) < len(self._buckets) and self._missing[len(self._started)] == 0:
+        """Starts the complete buckets in order, all but the last."""
+        while len(self._started) < len(self._buckets) - 1 and self._missing[len(self._started)] == 0:
             bucket = self._buckets[len(self._started)]
             self._started.append(self._start_sum([self._grads[i] for i in bucket], "gradient all-reduce"))
 
@@ -70,6 +77,8 @@ class GradientBuckets:
         and returns the summed gradients in their original order."""
         for index, grad in enumerate(grads):
             self.ready(index, grad)
+        if self._buckets:
+            self._started.append(self._start_last([self._grads[i] for i in self._buckets[-1]], "gradient all-reduce"))
         summed: list = [None] * len(self._grads)
         for bucket, started in zip(self._buckets, self._started):
             for index, value in zip(bucket, started.wait()):

@@ -696,8 +696,8 @@ class ReplicaStep:
 
     def _start_exchange(self, shards: Shards, grads: list, loss: Any, predictions: list, non_trainable: Any = None,
                         stop_asked: bool = False, training: bool = False) -> dict:
-        """Starts `_exchange`'s all-reduce; `_finish_exchange` waits for it (`training`: a train
-        step whose gradients travel on their own, see `_OverlappedExchange`).
+        """Starts `_exchange`'s all-reduce; `_finish_exchange` waits for it. `training`: a train
+        step whose gradients come later, in buckets (`_OverlappedExchange`), which starts it.
 
         The rows (predictions, targets) travel in buffers of an agreed number
         of rows, so that the all-reduce has the same shapes on every worker even
@@ -705,7 +705,7 @@ class ReplicaStep:
         clearly. A global batch larger than that number (the first step, a
         larger batch size) grows it on every worker and sends the rows again.
         """
-        what = "gradient all-reduce" if grads else "loss and predictions all-reduce" if training else "predictions all-gather"
+        what = "gradient all-reduce" if grads or training else "predictions all-gather"
         exchange = cross_worker.Exchange(self.strategy.extended._start_cross_worker_sum)
         # The stop flag rides with the fingerprint: no extra operand (on JAX, one gloo call each).
         exchange.add("check", [cross_worker.batch_check(shards, stop_asked)])
@@ -717,7 +717,8 @@ class ReplicaStep:
         if non_trainable is not None:
             payload, kinds = cross_worker.non_trainable_payload(self.model.non_trainable_variables, non_trainable, self.host)
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
-        exchange.start(what)
+        if not training:
+            exchange.start(what)
         return dict(exchange=exchange, what=what, shards=shards, grads=grads, loss=loss, predictions=predictions,
                     local_parts=local_parts, buffers=buffers, targets=targets, non_trainable=non_trainable, kinds=kinds,
                     training=training)
@@ -726,6 +727,8 @@ class ReplicaStep:
         """Waits for `_start_exchange`'s all-reduce: `_exchange`'s result."""
         shards, host = started["shards"], self.host
         buffers, targets = started["buffers"], started["targets"]
+        if not started["exchange"].started:  # a train step without gradients to send
+            started["exchange"].start(started["what"])
         result = started["exchange"].result()
         exact = not (started["grads"] or started["training"]) and started["loss"] is None  # predict: outputs must line up with the input
         if cross_worker.stop_or_check(result["check"][0], shards, self.num_workers, exact):
@@ -760,10 +763,13 @@ class _OverlappedExchange:
     """A multi-worker train step's exchange that runs during the backward pass (one local replica,
     an engine that reports gradients as it computes them, `engine.gradients.OVERLAPS_BACKWARD`).
 
-    After the forward pass, the step's other values (batch check, loss,
-    predictions, targets, non-trainable values) start on their way; then the
-    gradients go in buckets as the backward pass computes them
-    (`gradient_buckets.py`), as torch DDP sends them.
+    The gradients go in buckets as the backward pass computes them
+    (`gradient_buckets.py`), as torch DDP sends them; the step's other values
+    (batch check, loss, predictions, targets, non-trainable values), ready
+    after the forward pass, travel with the last bucket, after the backward
+    pass. (Sent on their own when the forward pass ended, they made the
+    benchmarks' MLP step slower: one more collective per step, for a backward
+    pass too short to hide it.)
     """
 
     def __init__(self, step: ReplicaStep, shards: Shards, stop_asked: bool):
@@ -775,14 +781,17 @@ class _OverlappedExchange:
             dtypes = [keras_backend.standardize_dtype(v.dtype) for v in trainable]
             layout = step._bucket_layouts[bucket_bytes] = gradient_buckets.layout(
                 [tuple(v.shape) for v in trainable], dtypes, [np.dtype(d).itemsize for d in dtypes], bucket_bytes)
-        self.buckets = gradient_buckets.GradientBuckets(layout, step.strategy.extended._start_cross_worker_sum)
-        self.started: Optional[dict] = None
+        # The step's exchange, kept where the last bucket finds it: the buckets must not refer to
+        # this object, whose cycle would keep the step's autograd graph alive until a collection.
+        self._exchange: dict = {}
+        self.buckets = gradient_buckets.GradientBuckets(layout, step.strategy.extended._start_cross_worker_sum,
+                                                        functools.partial(_start_last_bucket, self._exchange))
 
     def before_backward(self, aux: Any) -> None:
         shards = self._shards
         non_trainable = [aux[2]] if shards.active else []
-        self.started = self._step._start_exchange(shards, [], aux[0], [aux[1]], non_trainable, self._stop_asked,
-                                                  training=True)
+        self._exchange["started"] = self._step._start_exchange(shards, [], aux[0], [aux[1]], non_trainable,
+                                                               self._stop_asked, training=True)
 
     def ready(self, index: int, grad: Any) -> None:
         self.buckets.ready(index, grad)
@@ -790,8 +799,28 @@ class _OverlappedExchange:
     def finish(self, grads: list):
         """After the backward pass (`grads`: this worker's): `_exchange`'s result."""
         summed = self.buckets.finish(grads)
-        exchanged = self._step._finish_exchange(self.started)
+        exchanged = self._step._finish_exchange(self._exchange["started"])
         if exchanged is STOPPED:
             return STOPPED
         _, loss, global_predictions, finish = exchanged
         return [self._step._on_host(g) for g in summed], loss, global_predictions, finish
+
+
+def _start_last_bucket(exchange: dict, values: list, what: str) -> "_Bucket":
+    """Starts the last bucket's sum with the step's other values (`exchange["started"]`, see
+    `ReplicaStep._start_exchange`): one all-reduce. The backward pass is over: its gradients are
+    the step's own, which the engine may sum in place."""
+    started = exchange["started"]["exchange"]
+    started.add("bucket", values, donated=True)
+    started.start(what)
+    return _Bucket(started)
+
+
+class _Bucket:
+    """The last gradient bucket's sums, from the step's exchange that carries them."""
+
+    def __init__(self, exchange: cross_worker.Exchange):
+        self._exchange = exchange
+
+    def wait(self) -> list:
+        return self._exchange.result()["bucket"]

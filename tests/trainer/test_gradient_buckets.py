@@ -49,28 +49,43 @@ def _grads(count):
 
 def test_a_bucket_starts_once_complete_and_buckets_start_in_order():
     sums = _Sums()
-    buckets = gradient_buckets.GradientBuckets([[3, 2], [1], [0]], sums)
-    grads = _grads(4)
+    buckets = gradient_buckets.GradientBuckets([[4, 3], [2], [1], [0]], sums)
+    grads = _grads(5)
+    buckets.ready(4, grads[4])
+    assert sums.started == []
+    buckets.ready(2, grads[2])  # its bucket is complete, but the one before it is not
+    assert sums.started == []
     buckets.ready(3, grads[3])
-    assert sums.started == []
-    buckets.ready(1, grads[1])  # its bucket is complete, but the one before it is not
-    assert sums.started == []
-    buckets.ready(2, grads[2])
-    assert sums.started == [([3.0, 2.0], "gradient all-reduce"), ([1.0], "gradient all-reduce")]
-    buckets.ready(2, grads[2] + 100)  # reported twice: the first counts
+    assert sums.started == [([4.0, 3.0], "gradient all-reduce"), ([2.0], "gradient all-reduce")]
+    buckets.ready(3, grads[3] + 100)  # reported twice: the first counts
+    buckets.ready(1, grads[1])
+    buckets.ready(0, grads[0])  # the last bucket waits for the end of the backward pass
+    assert [s for s, _ in sums.started] == [[4.0, 3.0], [2.0], [1.0]]
     summed = buckets.finish(grads)
-    assert [s for s, _ in sums.started] == [[3.0, 2.0], [1.0], [0.0]]
+    assert [s for s, _ in sums.started] == [[4.0, 3.0], [2.0], [1.0], [0.0]]
     np.testing.assert_array_equal(np.stack(summed), np.stack(grads) * 2)
 
 
 def test_gradients_never_reported_are_sent_after_the_backward_pass_in_the_same_order():
     # A variable the loss does not reach gets no report: `finish` takes its (zero) gradient.
     sums = _Sums()
-    buckets = gradient_buckets.GradientBuckets([[2], [1], [0]], sums)
-    grads = _grads(3)
-    buckets.ready(2, grads[2])
-    buckets.ready(0, grads[0])
-    assert [s for s, _ in sums.started] == [[2.0]]
+    buckets = gradient_buckets.GradientBuckets([[3], [2], [1], [0]], sums)
+    grads = _grads(4)
+    buckets.ready(3, grads[3])
+    buckets.ready(1, grads[1])
+    assert [s for s, _ in sums.started] == [[3.0]]
     summed = buckets.finish(grads)
-    assert [s for s, _ in sums.started] == [[2.0], [1.0], [0.0]]
+    assert [s for s, _ in sums.started] == [[3.0], [2.0], [1.0], [0.0]]
     np.testing.assert_array_equal(np.stack(summed), np.stack(grads) * 2)
+
+
+def test_the_last_bucket_starts_after_the_backward_pass_with_the_step_s_other_values():
+    sums, last = _Sums(), _Sums()
+    buckets = gradient_buckets.GradientBuckets([[2], [1, 0]], sums, last)
+    grads = _grads(3)
+    for index in (2, 1, 0):
+        buckets.ready(index, grads[index])
+    assert [s for s, _ in sums.started] == [[2.0]] and last.started == []
+    np.testing.assert_array_equal(np.stack(buckets.finish(grads)), np.stack(grads) * 2)
+    assert [s for s, _ in last.started] == [[1.0, 0.0]]
+    assert gradient_buckets.GradientBuckets([], sums, last).finish([]) == []

@@ -5,6 +5,7 @@ initial weights, from which the test computes the single-process reference.
 `collectives.py OUT wide-only` runs the wide model's `fit` alone.
 """
 
+import gc
 import json
 import os
 import sys
@@ -64,7 +65,20 @@ def wide_fit() -> None:
         return start_sum(values, what, donated)
 
     strategy.extended._start_cross_worker_sum = recording_sum
-    wide_run = keras_run(model, x, y)
+    # With the garbage collector off: a train step's own objects must be freed as soon as the
+    # step ends, not left in reference cycles (which kept its autograd graph alive).
+    gc.collect()
+    gc.disable()
+    try:
+        wide_run = keras_run(model, x, y)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        kinds = ("_OverlappedExchange", "GradientBuckets", "Exchange")
+        results["step_objects_in_cycles"] = json.dumps(sorted(type(o).__name__ for o in gc.garbage if type(o).__name__ in kinds))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
     del strategy.extended._start_cross_worker_sum
     results["large_sent"] = json.dumps(large_sizes)  # per sum (the first step sends its rows again)
     results["sums_started"] = json.dumps(started)
