@@ -899,9 +899,9 @@ def run_parent(args) -> int:
             )
 
     breakdown_lines = [
-        "| backend | train_step ms | _train (forward + backward) | _exchange (all cross-worker work) | "
-        "of which `_cross_worker_sum` | same, worker that arrived last | optimizer update | _update_metrics | rest "
-        "| sent per step |",
+        "| backend | train_step ms | _train (forward + backward) | _exchange (cross-worker work after the backward "
+        "pass) | cross-worker sums (start + wait) | same, worker that arrived last | optimizer update | "
+        "_update_metrics | rest | sent per step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for backend in backends:
