@@ -142,6 +142,8 @@ class Exchange:
         self._parts: list = []
         self._started: Any = None
         self._result: Optional[dict] = None
+        self._flat: list = []
+        self._as_float: list = []  # per value: a small integer array sent as float32
 
     def add(self, name: str, values: list, donated: bool = False) -> None:
         """`donated=True`: the values are temporaries of the step, which the engine may sum in place."""

@@ -7,10 +7,9 @@ background threads, while the backward pass computes the others. The last
 bucket starts after the backward pass, with the step's other values: a model
 whose gradients fit in one bucket makes one all-reduce per step, as without
 buckets, and that bucket's gradients, no longer used by autograd, may be
-summed in place. Buckets
-start strictly in order, and their layout depends only on the gradients'
-shapes and dtypes, so every worker starts the same all-reduces in the same
-order whatever order its backward pass reports them in.
+summed in place. Buckets start strictly in order, and their layout depends
+only on the gradients' shapes and dtypes, so every worker starts the same
+all-reduces in the same order whatever order its backward pass reports them in.
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 # Without `CommunicationOptions.bytes_per_pack`: buckets of about this size, torch DDP's default.
-# Every all-reduce has a fixed cost: on the MLP of the benchmarks page (600 KB of gradients, two
-# workers on loopback), buckets of 256 KB made a step slower than one bucket.
+# Every all-reduce has a fixed cost, and on two CPU workers sharing two cores smaller buckets did
+# not make steps faster (the benchmarks page).
 DEFAULT_BUCKET_BYTES = 25 << 20
 
 
-def layout(shapes: Sequence[tuple], dtypes: Sequence[Any], itemsizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+def layout(shapes: Sequence[tuple], dtypes: Sequence[Any], itemsizes: Sequence[int],
+           bucket_bytes: int) -> list[list[int]]:
     """Buckets of gradient indices, last gradient first: a new bucket at a change of dtype or
     once a bucket holds `bucket_bytes`."""
     buckets: list[list[int]] = []

@@ -715,7 +715,8 @@ class ReplicaStep:
         buffers, targets = self._add_rows(exchange, shards, local_parts, predictions[0])
         kinds: list = []
         if non_trainable is not None:
-            payload, kinds = cross_worker.non_trainable_payload(self.model.non_trainable_variables, non_trainable, self.host)
+            variables = self.model.non_trainable_variables
+            payload, kinds = cross_worker.non_trainable_payload(variables, non_trainable, self.host)
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
         if not training:
             exchange.start(what)
@@ -730,7 +731,8 @@ class ReplicaStep:
         if not started["exchange"].started:  # a train step without gradients to send
             started["exchange"].start(started["what"])
         result = started["exchange"].result()
-        exact = not (started["grads"] or started["training"]) and started["loss"] is None  # predict: outputs must line up with the input
+        # Predict: the outputs must line up with the input.
+        exact = not (started["grads"] or started["training"]) and started["loss"] is None
         if cross_worker.stop_or_check(result["check"][0], shards, self.num_workers, exact):
             return STOPPED
         if shards.batch > self._rows_capacity:  # the same batch size on every worker (checked above)
@@ -775,7 +777,8 @@ class _OverlappedExchange:
     def __init__(self, step: ReplicaStep, shards: Shards, stop_asked: bool):
         self._step, self._shards, self._stop_asked = step, shards, stop_asked
         trainable = step.model.trainable_variables
-        bucket_bytes = step.strategy.extended._communication_options.bytes_per_pack or gradient_buckets.DEFAULT_BUCKET_BYTES
+        options = step.strategy.extended._communication_options
+        bucket_bytes = options.bytes_per_pack or gradient_buckets.DEFAULT_BUCKET_BYTES
         layout = step._bucket_layouts.get(bucket_bytes)
         if layout is None:
             dtypes = [keras_backend.standardize_dtype(v.dtype) for v in trainable]

@@ -4,5 +4,6 @@
 - `replica_variables`: what replicas write to variables, and how writes are combined.
 - `keras_state`: Keras' thread-local settings carried into replica threads.
 - `partition`, `packing`: how lists of tensors are split and laid out for collectives.
+- `pending`: a collective's result where the engine runs it at once (`start_all_reduce_sum`).
 - `keras_compat`: what differs between the supported Keras releases.
 """
