@@ -149,10 +149,6 @@ class Exchange:
         """`donated=True`: the values are temporaries of the step, which the engine may sum in place."""
         self._parts.append((name, list(values), donated))
 
-    @property
-    def started(self) -> bool:
-        return self._started is not None
-
     def start(self, what: str) -> None:
         """Starts the sum; where the engine sends in the background, the caller goes on meanwhile."""
         flat = [value for _, values, _ in self._parts for value in values]

@@ -22,21 +22,17 @@ from typing import Any, Callable, Optional, Sequence
 DEFAULT_BUCKET_BYTES = 25 << 20
 
 
-def layout(shapes: Sequence[tuple], dtypes: Sequence[Any], itemsizes: Sequence[int],
-           bucket_bytes: int) -> list[list[int]]:
+def layout(dtypes: Sequence[Any], nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     """Buckets of gradient indices, last gradient first: a new bucket at a change of dtype or
-    once a bucket holds `bucket_bytes`."""
+    once a bucket holds `bucket_bytes` (`nbytes[i]`: gradient `i`'s size)."""
     buckets: list[list[int]] = []
     size, dtype = 0, None
-    for index in reversed(range(len(shapes))):
-        count = 1
-        for dim in shapes[index]:
-            count *= int(dim)
+    for index in reversed(range(len(dtypes))):
         if not buckets or dtypes[index] != dtype or size >= bucket_bytes:
             buckets.append([])
             size, dtype = 0, dtypes[index]
         buckets[-1].append(index)
-        size += count * itemsizes[index]
+        size += nbytes[index]
     return buckets
 
 
@@ -46,7 +42,8 @@ class GradientBuckets:
 
     `start_sum(values, what)` starts a cross-worker sum and returns an object
     whose `wait()` gives it; `start_last` (default `start_sum`) starts the last
-    bucket's, in `finish`, with which the step's other values may travel.
+    bucket's, in `finish`, with which the step's other values may travel: it
+    is called once per step, with no values when there are no gradients.
     """
 
     def __init__(self, buckets: list[list[int]], start_sum: Callable[[list, str], Any],
@@ -77,8 +74,8 @@ class GradientBuckets:
         and returns the summed gradients in their original order."""
         for index, grad in enumerate(grads):
             self.ready(index, grad)
-        if self._buckets:
-            self._started.append(self._start_last([self._grads[i] for i in self._buckets[-1]], "gradient all-reduce"))
+        last = self._buckets[-1] if self._buckets else []
+        self._started.append(self._start_last([self._grads[i] for i in last], "gradient all-reduce"))
         summed: list = [None] * len(self._grads)
         for bucket, started in zip(self._buckets, self._started):
             for index, value in zip(bucket, started.wait()):

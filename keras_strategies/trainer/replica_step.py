@@ -264,10 +264,8 @@ class ReplicaStep:
         with self._enter(replica_id, mask):
             x, y, sample_weight = as_tensors((x, y, sample_weight))
             sample_weight = loss_reduction.enter_replica_loss(weights[0], as_tensors(mask), sample_weight)
-            objective = functools.partial(self._objective, training=True)
-            hooks = self._backward_hooks
-            grad_fn = engine.gradients.value_and_grad(objective) if hooks is None else \
-                engine.gradients.value_and_grad(objective, hooks=hooks)
+            grad_fn = engine.gradients.value_and_grad(functools.partial(self._objective, training=True),
+                                                      hooks=self._backward_hooks)
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, weights)
             if self.reduce_in_program:
                 grads, loss = self._local_sum([list(grads), aux[0]])
@@ -589,23 +587,24 @@ class ReplicaStep:
             return logs
         self.settle()
         if self._overlaps_backward():
-            return self._overlapped_train_step(shards, loss_scale, full_batch, stop_asked)
-        outputs = self._run_on_replicas("train", shards, loss_scale, full_batch)
-        if self.reduce_in_program:
-            grads, loss = self._sums_of_first_replica(outputs)
+            exchanged = self._overlapped_run(shards, loss_scale, full_batch, stop_asked)
         else:
-            grads = self._reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
-            (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
-        non_trainable = [outputs[i][1][2] for i in shards.active]
-        predictions = [aux[1] for _, aux in outputs]
-        if self.num_workers > 1:
-            exchanged = self._exchange(shards, grads, loss, predictions, non_trainable, stop_asked)
-            if exchanged is STOPPED:  # no update, no metrics: as if the step had not run
-                return STOPPED
-            grads, loss, global_predictions, finish = exchanged
-        else:
-            global_predictions = self._global_predictions(tuple(shards.sizes), predictions)
-            finish = functools.partial(self._assign_non_trainable, non_trainable)
+            outputs = self._run_on_replicas("train", shards, loss_scale, full_batch)
+            if self.reduce_in_program:
+                grads, loss = self._sums_of_first_replica(outputs)
+            else:
+                grads = self._reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
+                (loss,) = self._reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
+            non_trainable = [outputs[i][1][2] for i in shards.active]
+            predictions = [aux[1] for _, aux in outputs]
+            if self.num_workers > 1:
+                exchanged = self._exchange(shards, grads, loss, predictions, non_trainable, stop_asked)
+            else:
+                exchanged = (grads, loss, self._global_predictions(tuple(shards.sizes), predictions),
+                             functools.partial(self._assign_non_trainable, non_trainable))
+        if exchanged is STOPPED:  # no update, no metrics: as if the step had not run
+            return STOPPED
+        grads, loss, global_predictions, finish = exchanged
         logs = self._apply_and_measure(grads, loss, global_predictions, self._global_batch(shards))
         finish()
         return logs
@@ -615,20 +614,15 @@ class ReplicaStep:
         local replica, and an engine that reports gradients as its backward pass computes them."""
         return self.num_workers > 1 and len(self.devices) == 1 and engine.gradients.OVERLAPS_BACKWARD
 
-    def _overlapped_train_step(self, shards: Shards, loss_scale: float, full_batch: bool, stop_asked: bool) -> Any:
-        """`train_step` with the exchange running during the backward pass (see `_OverlappedExchange`)."""
+    def _overlapped_run(self, shards: Shards, loss_scale: float, full_batch: bool, stop_asked: bool) -> Any:
+        """The replica and the exchange of `train_step`, the exchange running during the backward
+        pass (see `_OverlappedExchange`): `_exchange`'s result."""
         overlapped = self._backward_hooks = _OverlappedExchange(self, shards, stop_asked)
         try:
             outputs = self._run_on_replicas("train", shards, loss_scale, full_batch)
         finally:
             self._backward_hooks = None
-        exchanged = overlapped.finish(list(outputs[0][0]))
-        if exchanged is STOPPED:  # no update, no metrics: as if the step had not run
-            return STOPPED
-        grads, loss, global_predictions, finish = exchanged
-        logs = self._apply_and_measure(grads, loss, global_predictions, self._global_batch(shards))
-        finish()
-        return logs
+        return overlapped.finish(list(outputs[0][0]))
 
     def _test_and_measure(self, per_replica: list, batch: tuple, sizes: tuple) -> dict:
         """The test step after the batch is cut, one worker: the replica program (the loss summed
@@ -720,20 +714,16 @@ class ReplicaStep:
             exchange.add("non_trainable", payload + [np.array(float(len(shards.active)), "float32")])
         if not training:
             exchange.start(what)
-        return dict(exchange=exchange, what=what, shards=shards, grads=grads, loss=loss, predictions=predictions,
-                    local_parts=local_parts, buffers=buffers, targets=targets, non_trainable=non_trainable, kinds=kinds,
-                    training=training)
+        exact = not (grads or training) and loss is None  # predict: the outputs must line up with the input
+        return dict(exchange=exchange, what=what, shards=shards, exact=exact, loss=loss, predictions=predictions,
+                    local_parts=local_parts, buffers=buffers, targets=targets, non_trainable=non_trainable, kinds=kinds)
 
     def _finish_exchange(self, started: dict):
         """Waits for `_start_exchange`'s all-reduce: `_exchange`'s result."""
         shards, host = started["shards"], self.host
         buffers, targets = started["buffers"], started["targets"]
-        if not started["exchange"].started:  # a train step without gradients to send
-            started["exchange"].start(started["what"])
         result = started["exchange"].result()
-        # Predict: the outputs must line up with the input.
-        exact = not (started["grads"] or started["training"]) and started["loss"] is None
-        if cross_worker.stop_or_check(result["check"][0], shards, self.num_workers, exact):
+        if cross_worker.stop_or_check(result["check"][0], shards, self.num_workers, started["exact"]):
             return STOPPED
         if shards.batch > self._rows_capacity:  # the same batch size on every worker (checked above)
             self._rows_capacity = shards.batch
@@ -782,8 +772,8 @@ class _OverlappedExchange:
         layout = step._bucket_layouts.get(bucket_bytes)
         if layout is None:
             dtypes = [keras_backend.standardize_dtype(v.dtype) for v in trainable]
-            layout = step._bucket_layouts[bucket_bytes] = gradient_buckets.layout(
-                [tuple(v.shape) for v in trainable], dtypes, [np.dtype(d).itemsize for d in dtypes], bucket_bytes)
+            nbytes = [int(np.prod(v.shape)) * np.dtype(d).itemsize for v, d in zip(trainable, dtypes)]
+            layout = step._bucket_layouts[bucket_bytes] = gradient_buckets.layout(dtypes, nbytes, bucket_bytes)
         # The step's exchange, kept where the last bucket finds it: the buckets must not refer to
         # this object, whose cycle would keep the step's autograd graph alive until a collection.
         self._exchange: dict = {}

@@ -11,7 +11,8 @@ from keras_strategies.trainer import gradient_buckets
 
 
 def _layout(shapes, dtypes, bucket_bytes):
-    return gradient_buckets.layout(shapes, dtypes, [np.dtype(d).itemsize for d in dtypes], bucket_bytes)
+    nbytes = [int(np.prod(shape)) * np.dtype(d).itemsize for shape, d in zip(shapes, dtypes)]
+    return gradient_buckets.layout(dtypes, nbytes, bucket_bytes)
 
 
 def test_buckets_run_from_the_last_gradient_and_split_by_size_and_dtype():

@@ -15,8 +15,13 @@ from keras_strategies.backend.common.replica_variables import RecordingScope
 OVERLAPS_BACKWARD = False
 
 
-def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:
-    """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`."""
+def value_and_grad(fn: Callable[..., tuple[Any, Any]],
+                   hooks: Any = None) -> Callable[..., tuple[tuple[Any, Any], list]]:
+    """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`.
+
+    `hooks` is accepted for the engines' common interface: callers give None, as
+    gradients are not reported during the backward pass here (`OVERLAPS_BACKWARD`).
+    """
     return jax.value_and_grad(fn, has_aux=True)
 
 

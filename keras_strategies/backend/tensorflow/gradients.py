@@ -13,8 +13,13 @@ from keras import ops
 OVERLAPS_BACKWARD = False
 
 
-def value_and_grad(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[tuple[Any, Any], list]]:
-    """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`."""
+def value_and_grad(fn: Callable[..., tuple[Any, Any]],
+                   hooks: Any = None) -> Callable[..., tuple[tuple[Any, Any], list]]:
+    """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`.
+
+    `hooks` is accepted for the engines' common interface: callers give None, as
+    gradients are not reported during the backward pass here (`OVERLAPS_BACKWARD`).
+    """
 
     def wrapped(trainable, *args):
         trainable = [tf.convert_to_tensor(t) for t in trainable]

@@ -18,7 +18,8 @@ from keras_strategies.backend.torch import vectorized
 OVERLAPS_BACKWARD = True
 
 
-def value_and_grad(fn: Callable[..., tuple[Any, Any]], hooks: Any = None) -> Callable[..., tuple[tuple[Any, Any], list]]:
+def value_and_grad(fn: Callable[..., tuple[Any, Any]],
+                   hooks: Any = None) -> Callable[..., tuple[tuple[Any, Any], list]]:
     """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`.
 
     `hooks` (outside vectorised replicas): `hooks.before_backward(aux)` runs
