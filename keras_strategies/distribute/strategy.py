@@ -63,7 +63,6 @@ class StrategyExtended:
         self._container = container_strategy
         self._devices = tuple(devices)
         self._variables: list = []
-        self._new_variables = False  # created since the last `_sync_variables_from_chief`
         _LIVE_EXTENDED.add(self)
         # Strategies that own devices keep variables (and cross-replica results) on the first one.
         self._place_variables = place_variables
@@ -258,13 +257,15 @@ class StrategyExtended:
             raise RuntimeError("`colocate_vars_with` must be used inside the strategy's `scope()`.")
         yield
 
-    def _track(self, obj: Any) -> None:
-        """Remembers variables created in scope (weakly), to mirror them on replica devices."""
+    def _track(self, obj: Any) -> bool:
+        """Remembers variables created in scope (weakly), to mirror them on replica devices;
+        whether `obj` is one."""
         from keras.src.backend.common.variables import Variable
 
-        if isinstance(obj, Variable):
-            self._variables.append(weakref.ref(obj))
-            self._new_variables = True
+        if not isinstance(obj, Variable):
+            return False
+        self._variables.append(weakref.ref(obj))
+        return True
 
     def _scope_variables(self) -> list:
         alive = [ref() for ref in self._variables]
@@ -360,8 +361,8 @@ class StrategyExtended:
         """Whether `flag` is true on any worker (one worker: `flag`)."""
         return flag
 
-    def _sync_variables_from_chief(self, force: bool = False) -> None:
-        """Gives every worker the chief's variable values (one worker: nothing to do)."""
+    def _sync_variables_from_chief(self, also: Sequence[Any] = ()) -> None:
+        """Gives every worker the chief's values of new variables and `also` (one worker: nothing to do)."""
 
     def _broadcast_from_chief(self, number: int) -> int:
         """The chief's value of a small integer (one worker: `number`)."""

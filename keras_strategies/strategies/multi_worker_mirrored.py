@@ -10,9 +10,8 @@ applies the same update, so all workers hold identical weights.
 
 from __future__ import annotations
 
-import gc
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from keras import ops
@@ -87,6 +86,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         self._communication_options = options
         self._monitor: Optional[HealthMonitor] = None
         self._synced: dict = {}  # id(variable) -> weakref, for variables broadcast from the chief
+        self._unsynced: list = []  # variables created since the last sync (several workers only)
         if cluster.num_workers > 1:
             chief_only.tolerate_concurrent_makedirs()
             self._monitor = HealthMonitor(
@@ -300,15 +300,28 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         (total,) = self._cross_worker_sum([payload], "broadcast from the chief")
         return np.rint(_to_numpy(total)).astype(np.uint8).tobytes()
 
-    def _sync_variables_from_chief(self, force: bool = False) -> None:
-        """Overwrites variables with the chief's values: new ones, or all with `force`."""
-        if self._cluster.num_workers == 1 or engine.collectives.tracing() or not (force or self._new_variables):
+    def _track(self, obj: Any) -> bool:
+        """Also holds each new variable until the next sync (see `_sync_variables_from_chief`)."""
+        tracked = super()._track(obj)
+        if tracked and self._cluster.num_workers > 1:
+            self._unsynced.append(obj)
+        return tracked
+
+    def _sync_variables_from_chief(self, also: Sequence[Any] = ()) -> None:
+        """Overwrites the variables created since the last sync, and `also`, with the chief's values.
+
+        New variables are held until they are synced, so every worker sends the same list even
+        when a model was dropped meanwhile and one worker's garbage collector has freed it and
+        another's not yet (a full collection instead costs a quarter of a second per call).
+        `also` must be the same list on every worker: `fit` passes its model's state, which a
+        callback may have restored on the chief alone.
+        """
+        if self._cluster.num_workers == 1 or engine.collectives.tracing() or not (self._unsynced or also):
             return
-        self._new_variables = False
-        # Variables of dropped models may wait for the cyclic garbage collector, whose timing
-        # differs between workers: collect them first, so that every worker sends the same list.
-        gc.collect()
-        fresh = [v for v in self._scope_variables() if force or self._synced.get(id(v), lambda: None)() is not v]
+        unsynced, self._unsynced = self._unsynced, []
+        chosen = {id(v): v for v in unsynced if self._synced.get(id(v), lambda: None)() is not v}
+        chosen.update((id(v), v) for v in also)
+        fresh = list(chosen.values())
         if not fresh:
             return
         signatures = self._rows_from_every_worker(

@@ -17,7 +17,7 @@ import pytest
 from mw_launch import PROGRAMS, run_together
 
 sys.path.insert(0, PROGRAMS)
-from common import WIDE, build_wide_model, collective_values, keras_run, wide_data  # noqa: E402
+from common import GLOBAL_BATCH, WIDE, build_model, build_wide_model, collective_values, data, keras_run, wide_data  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +148,27 @@ def test_workers_reading_batches_of_different_sizes_get_a_clear_error_and_stay_i
     assert len({int(worker[f"{name}_iterations_after_error"]) for worker in workers}) == 1
     first, second = (worker[f"{name}_fit_after_error"] for worker in workers)
     np.testing.assert_array_equal(first, second)
+
+
+def test_a_model_freed_by_one_workers_garbage_collector_alone_leaves_the_workers_in_step(results):
+    _, workers = results
+    first, second = workers
+    np.testing.assert_array_equal(first["after_dropped_loss"], second["after_dropped_loss"])
+    np.testing.assert_array_equal(first["after_dropped_weights"], second["after_dropped_weights"])
+
+
+def test_a_model_changed_by_the_chief_alone_as_training_begins_trains_from_the_chiefs_state(results):
+    _, workers = results
+    first, second = workers
+    np.testing.assert_array_equal(first["chief_set_loss"], second["chief_set_loss"])
+    np.testing.assert_array_equal(first["chief_set_weights"], second["chief_set_weights"])
+    # Not the weights the model was built with: training began from the chief's 0.05s.
+    x, y = data()
+    reference = build_model()
+    reference.set_weights([np.full(w.shape, 0.05, w.dtype) for w in reference.get_weights()])
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
+    np.testing.assert_allclose(first["chief_set_weights"],
+                               np.concatenate([w.ravel() for w in reference.get_weights()]), rtol=1e-5, atol=1e-6)
 
 
 def test_workers_with_different_variables_get_a_clear_error(results):

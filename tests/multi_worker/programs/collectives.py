@@ -154,6 +154,36 @@ for name, build in (("keras_steps", build_model), ("own_steps", build_own_steps_
     history = small.fit(*data(), batch_size=GLOBAL_BATCH, epochs=1, verbose=0).history
     results[f"{name}_fit_after_error"] = history["loss"]
 
+# A model dropped before its variables were synced, freed by one worker's garbage collector and
+# not by the other's: both still send the same variables, and the next model trains in step.
+gc.disable()
+with strategy.scope():
+    dropped = build_model()
+object.__setattr__(dropped, "_cycle", [dropped])  # freed only by a collection
+del dropped
+if task_id == 1:
+    gc.collect()
+with strategy.scope():
+    after_dropped = build_model()
+results["after_dropped_loss"] = after_dropped.fit(*data(), batch_size=GLOBAL_BATCH, epochs=1, verbose=0).history["loss"]
+results["after_dropped_weights"] = np.concatenate([w.ravel() for w in after_dropped.get_weights()])
+gc.enable()
+
+# A callback that changes the model on the chief alone when training begins (as BackupAndRestore
+# restores a backup): every worker trains from the chief's state.
+class ChiefSetsWeights(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        if task_id == 0:
+            self.model.set_weights([np.full(w.shape, 0.05, w.dtype) for w in self.model.get_weights()])
+
+
+with strategy.scope():
+    restored = build_model()
+history = restored.fit(*data(), batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[ChiefSetsWeights()]).history
+results["chief_set_loss"] = history["loss"]
+results["chief_set_weights"] = np.concatenate([w.ravel() for w in restored.get_weights()])
+
 # Last: workers that create different variables get a clear error on every worker, not a
 # collective mismatch inside the backend.
 with strategy.scope():
