@@ -29,7 +29,7 @@ from keras_strategies.input import worker_sharding
 from keras_strategies.input.keras_input import keras_input
 from keras_strategies.keras_integration import chief_only
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
-from keras_strategies.trainer.replica_step import ReplicaStep
+from keras_strategies.trainer.replica_step import ReplicaStep, step_variables
 from keras_strategies.trainer.stopping import StopAgreement
 
 _STEP_ATTR = "_ks_replica_step"
@@ -170,12 +170,6 @@ def _set_mode(model: Any, training: bool) -> None:
         mode()
 
 
-def _model_state(model: Any) -> list:
-    """Every variable of `model` that `fit` reads or writes: its layers', its optimizer's, its metrics'."""
-    optimizer = getattr(model, "optimizer", None)
-    return [*model.variables, *(optimizer.variables if optimizer is not None else ()), *model.metrics_variables]
-
-
 def _callback_list(callbacks, model, strategy, verbose, steps, epochs=1, add_history=False):
     if isinstance(callbacks, callbacks_module.CallbackList):
         return callbacks
@@ -223,7 +217,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     logs = {}
     callbacks.on_train_begin()
     # BackupAndRestore may have restored the chief's backup: every worker continues from the chief's state.
-    strategy.extended._sync_variables_from_chief(also=_model_state(model))
+    strategy.extended._sync_variables_from_chief(also=step_variables(model))
     initial_epoch = strategy.extended._broadcast_from_chief(model._initial_epoch or initial_epoch)
     # A backup saved on a preemption notice (`backup_and_restore.py`) was taken inside its epoch:
     # that epoch resumes after the batches it had trained.

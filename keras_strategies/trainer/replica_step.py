@@ -179,6 +179,15 @@ def make_shards(strategy: Any, data: Any, num_local: int, with_targets: bool,
                   equal_shapes, min_rows)
 
 
+def step_variables(model: Any) -> list:
+    """Every variable a whole step reads or assigns: the model's, the optimizer's, the metrics'."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+    variables += list(optimizer.variables) if optimizer is not None else []
+    seen: set = set()
+    return [v for v in variables + list(model.metrics_variables) if not (id(v) in seen or seen.add(id(v)))]
+
+
 class ReplicaStep:
     """Runs `train` / `test` / `predict` steps of `model` on the strategy's replicas."""
 
@@ -488,26 +497,17 @@ class ReplicaStep:
             function = {"train": self._train_and_update, "test": self._test_and_measure}.get(kind, self._predict_all)
             finish = functools.partial(self._assign_non_trainable, in_program=True) if kind == "train" else None
             self._compiled_steps[kind] = engine.compiler.compile_replicated_step(
-                function, self._step_variables(), self.devices,
+                function, step_variables(self.model), self.devices,
                 getattr(self.strategy.extended, "_replicas_keep_copies", False), finish,
             )
         return self._compiled_steps[kind]
-
-    def _step_variables(self) -> list:
-        """Every variable a whole step reads or assigns: the model's, the optimizer's, the metrics'."""
-        model = self.model
-        optimizer = getattr(model, "optimizer", None)
-        variables = list(model.trainable_variables) + list(model.non_trainable_variables)
-        variables += list(optimizer.variables) if optimizer is not None else []
-        seen: set = set()
-        return [v for v in variables + list(model.metrics_variables) if not (id(v) in seen or seen.add(id(v)))]
 
     def settle(self) -> None:
         """Brings the variables back to the host device if a whole compiled step left them on the
         replicas' devices (JAX keeps them there between steps): for eager code after a loop."""
         if self._unsettled:
             self._unsettled = False
-            engine.compiler.settle(self._step_variables(), self.host)
+            engine.compiler.settle(step_variables(self.model), self.host)
 
     def _train_and_update(self, per_replica: list, batch: tuple, sizes: tuple) -> tuple:
         """The train step after the batch is cut, one worker: the replica program (gradients summed
