@@ -3,8 +3,11 @@
 JAX's gloo collectives print `[Gloo] Rank 0 is connected to 1 peer ranks. Expected
 number of connected peer ranks is : 1` to stdout from C++ each time a worker opens
 a communicator (several times per worker), with no setting to turn it off; it says
-nothing a user can act on. Started any other way (`torchrun`, `srun`), a worker
-prints it unfiltered.
+nothing a user can act on. A worker's communicators connect in threads of their
+own, so two such lines can be written at once and interleave in pieces (`[Gloo]
+Rank [Gloo] Rank 1 is connected to ...` then `0 is connected to ...`): a line made
+only of those pieces is noise too. Started any other way (`torchrun`, `srun`), a
+worker prints it unfiltered.
 """
 
 from __future__ import annotations
@@ -12,8 +15,14 @@ from __future__ import annotations
 import re
 
 ENGINE_NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+$")
+# The pieces gloo writes one `<<` at a time; a line of them holds at least one of the words.
+_GLOO_PIECES = re.compile(r"^(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. |Expected number of connected peer ranks is : )+$")
+_GLOO_WORDS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks")
 
 
 def is_engine_noise(line: str) -> bool:
-    """Whether a worker's output line (without its newline) is one of `ENGINE_NOISE`'s."""
-    return bool(ENGINE_NOISE.match(line.strip()))
+    """Whether a worker's output line (without its newline) is one of `ENGINE_NOISE`'s, whole or
+    as pieces of several written at once."""
+    line = line.rstrip("\r\n")
+    return bool(ENGINE_NOISE.match(line.strip())
+                or (_GLOO_PIECES.match(line) and _GLOO_WORDS.search(line)))

@@ -18,6 +18,18 @@ def test_gloos_connection_line_is_noise_and_nothing_else():
         assert not is_engine_noise(line), line
 
 
+def test_gloo_lines_written_at_once_by_two_threads_are_noise_in_every_piece():
+    # Each communicator's thread writes its line a piece at a time: two at once interleave.
+    interleaved = ("[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+                   "0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+                   "[Gloo] Rank 0[Gloo] Rank  is connected to 1 is connected to 1 peer ranks. 1 peer ranks. "
+                   "Expected number of connected peer ranks is : Expected number of connected peer ranks is : 11")
+    for line in interleaved:
+        assert is_engine_noise(line) and is_engine_noise(line + "\r"), line
+    for line in ("0", "1 2", "Step 3 is connected to the previous one", "[Gloo] Rank 0 said: hello"):
+        assert not is_engine_noise(line), line
+
+
 def test_the_pump_drops_only_the_noise():
     read, write = os.pipe()
     os.write(write, f"Epoch 1/1\n{GLOO_LINE}\nloss: 0.25\n".encode())
