@@ -27,7 +27,9 @@ backend. The parent spawns
 
     python bench/mirrored_step_time.py --worker --backend B --devices N --mode M ...
 
-and each child prints one JSON line (prefixed with `BENCH-RESULT `).
+and each child prints one JSON line (prefixed with `BENCH-RESULT `). The smoke run, whose
+numbers mean nothing, measures its cells a few per process instead (`--cells`): ours in
+one, the baselines in another, per backend.
 
 Timing: a Keras callback records `time.perf_counter()` in
 `on_train_batch_begin` / `on_train_batch_end`. Because the callback overrides
@@ -64,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 RESULT_PREFIX = "BENCH-RESULT "
 BACKENDS = ("tensorflow", "jax", "torch")
@@ -207,6 +210,9 @@ def _build_model(keras):
     return model
 
 
+_TF_STRATEGIES: dict = {}  # devices -> this process's tf.distribute.MirroredStrategy
+
+
 def _model_under_mode(keras, backend: str, devices: int, mode: str):
     """Returns the compiled model for `mode` and a short description of the setup."""
     if mode == "plain":
@@ -233,7 +239,11 @@ def _model_under_mode(keras, backend: str, devices: int, mode: str):
     if mode == "tf_mirrored":
         import tensorflow as tf
 
-        strategy = tf.distribute.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(devices)])
+        # One strategy per process: a second one in the same process would reuse the first's
+        # collective instance keys (the smoke run measures both models in one process).
+        if devices not in _TF_STRATEGIES:
+            _TF_STRATEGIES[devices] = tf.distribute.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(devices)])
+        strategy = _TF_STRATEGIES[devices]
         with strategy.scope():
             model = _build_model(keras)
         return model, f"tf.distribute.MirroredStrategy({strategy.num_replicas_in_sync} replicas)"
@@ -251,23 +261,36 @@ def _model_under_mode(keras, backend: str, devices: int, mode: str):
 
 
 def run_worker(args) -> None:
+    """Measures each cell of `--cells` (or the one of `--model` and `--mode`) in this process, one
+    JSON line each. The cells of one process share its backend, devices and kind of mode (ours or
+    a baseline, which never imports keras_strategies)."""
     if args.source:
         # Benchmark the keras_strategies package found in this directory (e.g. a
         # `git archive` snapshot) instead of the installed / editable one.
         sys.path.insert(0, os.path.abspath(args.source))
     os.environ["KERAS_BACKEND"] = args.backend
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    MODEL["name"] = args.model
+    cells = [tuple(cell.split(":")) for cell in args.cells.split(",")] if args.cells else [(args.model, args.mode)]
     started = time.perf_counter()
-    load_before = os.getloadavg()[0]
     _limit_threads(args.backend, args.threads)
-    _configure_devices(args.backend, args.devices, args.mode)
+    _configure_devices(args.backend, args.devices, cells[0][1])
 
     import keras
-    import numpy as np
 
     if keras.backend.backend() != args.backend:
         raise SystemExit(f"wanted backend {args.backend}, got {keras.backend.backend()}")
+    for model_name, mode in cells:
+        result = measure(keras, args, model_name, mode, started)
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        started = time.perf_counter()
+
+
+def measure(keras, args, model_name: str, mode: str, started: float) -> dict:
+    """One cell: `fit` (or the custom loop) of `model_name` under `mode`, timed per step."""
+    import numpy as np
+
+    MODEL["name"] = model_name
+    load_before = os.getloadavg()[0]
 
     class StepTimer(keras.callbacks.Callback):
         def __init__(self):
@@ -290,17 +313,21 @@ def run_worker(args) -> None:
 
     keras.utils.set_random_seed(0)
     x, y = _make_data(args.steps)
-    model, setup = _model_under_mode(keras, args.backend, args.devices, args.mode)
+    model, setup = _model_under_mode(keras, args.backend, args.devices, mode)
     timer = StepTimer()
     imported = time.perf_counter()
     rss_before_fit = _peak_rss_mb()
-    if args.mode == "ks_custom":
-        final_loss = _custom_loop(keras, model, x, y, 1 + args.epochs, timer)
-    else:
-        history = model.fit(
-            x, y, batch_size=global_batch(), epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[timer]
-        )
-        final_loss = float(history.history["loss"][-1])
+    try:
+        if mode == "ks_custom":
+            final_loss = _custom_loop(keras, model, x, y, 1 + args.epochs, timer)
+        else:
+            history = model.fit(
+                x, y, batch_size=global_batch(), epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[timer]
+            )
+            final_loss = float(history.history["loss"][-1])
+    finally:
+        if mode == "jax_dp":
+            keras.distribution.set_distribution(None)
     peak_rss = _peak_rss_mb()  # before the breakdown and the profile, which run more steps
     step_ms, cycle_ms = [], []
     for epoch in range(1, 1 + args.epochs):  # epoch 0 is warm-up
@@ -310,9 +337,9 @@ def run_worker(args) -> None:
     warmup_ms = [1e3 * (e - b) for b, e in zip(timer.begin[0], timer.end[0])]
     result = {
         "backend": args.backend,
-        "model": args.model,
+        "model": model_name,
         "devices": args.devices,
-        "mode": args.mode,
+        "mode": mode,
         "setup": setup,
         "threads": args.threads,
         "median_ms": statistics.median(step_ms),
@@ -329,11 +356,11 @@ def run_worker(args) -> None:
         "fit_rss_growth_mb": peak_rss - rss_before_fit,
     }
 
-    if args.mode == "ks" and args.breakdown:
+    if mode == "ks" and args.breakdown:
         result["breakdown_ms"] = _breakdown(model, args.backend, args.breakdown)
     if args.profile:
         _profile(model, args.profile)
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return result
 
 
 def _custom_loop(keras, model, x, y, epochs: int, timer) -> float:
@@ -546,19 +573,47 @@ def smoke_pairs(pairs):
 
 def spawn(backend: str, devices: int, mode: str, steps: int, epochs: int, threads: int, timeout: float,
           breakdown: int = 0, source: str = "") -> dict:
+    """One cell (the current model under `mode`) in a child process of its own."""
+    return spawn_cells(backend, devices, [(MODEL["name"], mode)], steps, epochs, threads, timeout, breakdown,
+                       source)[0]
+
+
+def spawn_cells(backend: str, devices: int, cells: list, steps: int, epochs: int, threads: int, timeout: float,
+                breakdown: int = 0, source: str = "") -> list:
+    """The results of `cells` ((model, mode) pairs, all ours or all baselines) measured one after
+    the other in one child process; a cell the process did not reach gets its error."""
+    ours = cells[0][1].startswith("ks")
     cmd = [
         sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend,
-        "--devices", str(devices), "--mode", mode, "--steps", str(steps), "--epochs", str(epochs),
-        "--threads", str(threads), "--breakdown", str(breakdown if mode == "ks" else 0), "--model", MODEL["name"],
-    ] + (["--source", source] if source and mode.startswith("ks") else [])
+        "--devices", str(devices), "--cells", ",".join(f"{model}:{mode}" for model, mode in cells),
+        "--steps", str(steps), "--epochs", str(epochs),
+        "--threads", str(threads), "--breakdown", str(breakdown if ours else 0),
+    ] + (["--source", source] if source and ours else [])
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout * len(cells))
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in proc.stdout.splitlines()
+               if line.startswith(RESULT_PREFIX)]
     tail = "\n".join((proc.stderr or "").strip().splitlines()[-15:])
-    return {"error": f"exit {proc.returncode}: {tail}"}
+    return results + [{"error": f"exit {proc.returncode}: {tail}"}] * (len(cells) - len(results))
+
+
+def smoke_cells(args, models: list) -> dict:
+    """`--smoke`: every cell of every model, measured in one child process per backend and kind
+    (ours, the baselines) instead of one per cell; keyed by (model, backend, devices, mode)."""
+    groups: dict = {}
+    for index, model in enumerate(models):
+        for backend, n, *modes in model_pairs(args, index > 0):
+            for mode in modes:
+                cells = groups.setdefault((backend, n, mode.startswith("ks")), [])
+                if (model, mode) not in cells:
+                    cells.append((model, mode))
+    measured = {}
+    for (backend, n, _), cells in groups.items():
+        results = spawn_cells(backend, n, cells, 2, 1, args.threads, args.timeout, min(args.breakdown, 2),
+                              args.source)
+        measured.update({(model, backend, n, mode): result for (model, mode), result in zip(cells, results)})
+    return measured
 
 
 def source_fingerprint(source: str = "") -> str:
@@ -603,26 +658,25 @@ def run_parent(args) -> int:
     unknown = [m for m in models if m not in GLOBAL_BATCHES]
     if unknown:
         raise SystemExit(f"unknown model(s) {unknown}; choose from {sorted(GLOBAL_BATCHES)}")
+    # The smoke run measures every cell first, a few per process (its numbers mean nothing).
+    measured = smoke_cells(args, models) if args.smoke else None
     failed = 0
     for index, model in enumerate(models):
         MODEL["name"] = model
         if len(models) > 1:
             print(f"{'' if index == 0 else chr(10)}### {MODEL_DESCRIPTIONS[model]}\n", flush=True)
         # The smoke run measures the second model in its multi-device comparison only.
-        failed |= run_model(args, smoke_mirrored_only=args.smoke and index > 0)
+        failed |= run_model(args, smoke_mirrored_only=args.smoke and index > 0, measured=measured)
     return failed
 
 
-def run_model(args, smoke_mirrored_only: bool = False) -> int:
+def model_pairs(args, smoke_mirrored_only: bool = False) -> list:
+    """The (backend, devices, ours, baseline) comparisons of one model."""
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {BACKENDS}")
-    device_counts = [int(d) for d in args.devices.split(",") if d.strip()]
-    steps, epochs = (10, 1) if args.quick else (args.steps, args.epochs)
-    if args.smoke:
-        steps, epochs, args.repeats, args.breakdown = 2, 1, 1, min(args.breakdown, 2)
-        device_counts = [1, 2]
+    device_counts = [1, 2] if args.smoke else [int(d) for d in args.devices.split(",") if d.strip()]
     pairs = [p for p in comparisons(backends, device_counts) if args.compare in ("all", COMPARE_OF[p[2]])]
     if args.smoke:
         pairs = smoke_pairs(pairs)
@@ -630,6 +684,15 @@ def run_model(args, smoke_mirrored_only: bool = False) -> int:
             pairs = [pair for pair in pairs if pair[2] == "ks"]
     if not pairs:
         raise SystemExit("nothing to run for these --backends / --devices")
+    return pairs
+
+
+def run_model(args, smoke_mirrored_only: bool = False, measured: Optional[dict] = None) -> int:
+    """One model's runs (or, with `measured`, the smoke run's results) and tables."""
+    steps, epochs = (10, 1) if args.quick else (args.steps, args.epochs)
+    if args.smoke:
+        steps, epochs, args.repeats, args.breakdown = 2, 1, 1, min(args.breakdown, 2)
+    pairs = model_pairs(args, smoke_mirrored_only)
 
     runs: dict = {}
     loads: list = []
@@ -643,7 +706,9 @@ def run_model(args, smoke_mirrored_only: bool = False) -> int:
                 key = (backend, n, mode)
                 if key in runs and len(runs[key]) > repeat:
                     continue
-                result = spawn(backend, n, mode, steps, epochs, args.threads, args.timeout, args.breakdown, args.source)
+                result = (measured[(MODEL["name"], backend, n, mode)] if measured is not None else
+                          spawn(backend, n, mode, steps, epochs, args.threads, args.timeout, args.breakdown,
+                                args.source))
                 runs.setdefault(key, []).append(result)
                 loads += result.get("load_1min", [])
                 status = result.get("error") or (
@@ -807,6 +872,9 @@ def main(argv=None) -> int:
                         help="parent: comma-separated models, each with its tables (mlp: global batch 256; "
                              "cnn: 28x28 images, global batch 128; default both)")
     parser.add_argument("--model", choices=sorted(GLOBAL_BATCHES), default="mlp", help="worker: the model")
+    parser.add_argument("--cells", default="",
+                        help="worker: instead of --model and --mode, comma-separated model:mode cells measured "
+                             "one after the other (the smoke run's)")
     parser.add_argument("--steps", type=int, default=50, help="steps per epoch (default 50)")
     parser.add_argument("--epochs", type=int, default=2, help="measured epochs after the warm-up epoch (default 2)")
     parser.add_argument("--quick", action="store_true", help="parent: 10 steps x 1 measured epoch")
@@ -834,8 +902,8 @@ def main(argv=None) -> int:
                         help="worker: after timing, cProfile this many steps and print to stderr")
     args = parser.parse_args(argv)
     if args.worker:
-        if not args.backend or not args.mode:
-            parser.error("--worker needs --backend and --mode")
+        if not args.backend or not (args.mode or args.cells):
+            parser.error("--worker needs --backend and --mode (or --cells)")
         args.devices = int(args.devices)
         run_worker(args)
         return 0
