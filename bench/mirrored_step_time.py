@@ -610,8 +610,8 @@ def smoke_cells(args, models: list) -> dict:
                     cells.append((model, mode))
     measured = {}
     for (backend, n, _), cells in groups.items():
-        results = spawn_cells(backend, n, cells, 2, 1, args.threads, args.timeout, min(args.breakdown, 2),
-                              args.source)
+        results = spawn_cells(backend, n, cells, args.steps, args.epochs, args.threads, args.timeout,
+                              args.breakdown, args.source)
         measured.update({(model, backend, n, mode): result for (model, mode), result in zip(cells, results)})
     return measured
 
@@ -658,8 +658,11 @@ def run_parent(args) -> int:
     unknown = [m for m in models if m not in GLOBAL_BATCHES]
     if unknown:
         raise SystemExit(f"unknown model(s) {unknown}; choose from {sorted(GLOBAL_BATCHES)}")
-    # The smoke run measures every cell first, a few per process (its numbers mean nothing).
-    measured = smoke_cells(args, models) if args.smoke else None
+    measured = None
+    if args.smoke:  # tiny sizes; every cell measured first, a few per process (its numbers mean nothing)
+        args.quick = False
+        args.steps, args.epochs, args.repeats, args.breakdown = 2, 1, 1, min(args.breakdown, 2)
+        measured = smoke_cells(args, models)
     failed = 0
     for index, model in enumerate(models):
         MODEL["name"] = model
@@ -690,8 +693,6 @@ def model_pairs(args, smoke_mirrored_only: bool = False) -> list:
 def run_model(args, smoke_mirrored_only: bool = False, measured: Optional[dict] = None) -> int:
     """One model's runs (or, with `measured`, the smoke run's results) and tables."""
     steps, epochs = (10, 1) if args.quick else (args.steps, args.epochs)
-    if args.smoke:
-        steps, epochs, args.repeats, args.breakdown = 2, 1, 1, min(args.breakdown, 2)
     pairs = model_pairs(args, smoke_mirrored_only)
 
     runs: dict = {}

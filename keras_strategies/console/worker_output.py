@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import re
 
-ENGINE_NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+$")
-# The pieces gloo writes one `<<` at a time; a line of them holds at least one of the words.
-_GLOO_PIECES = re.compile(r"^(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. |Expected number of connected peer ranks is : )+$")
-_GLOO_WORDS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks")
+# The pieces gloo writes one `<<` at a time: its whole line `[Gloo] Rank 0 is connected to 1 peer
+# ranks. Expected number of connected peer ranks is : 1`, or pieces of several written at once.
+ENGINE_NOISE = re.compile(
+    r"^\s*(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. |Expected number of connected peer ranks is : )+\s*$"
+)
+_GLOO_WORDS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks")  # a line of pieces holds one at least
 
 
 def is_engine_noise(line: str) -> bool:
-    """Whether a worker's output line (without its newline) is one of `ENGINE_NOISE`'s, whole or
-    as pieces of several written at once."""
-    line = line.rstrip("\r\n")
-    return bool(ENGINE_NOISE.match(line.strip())
-                or (_GLOO_PIECES.match(line) and _GLOO_WORDS.search(line)))
+    """Whether a worker's output line (without its newline) is made of `ENGINE_NOISE`'s pieces:
+    gloo's whole line, or pieces of several written at once."""
+    return bool(ENGINE_NOISE.match(line) and _GLOO_WORDS.search(line))
