@@ -174,6 +174,19 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         self._monitor.end(completed=False)
         return _PendingSum(self._monitor, started, what)
 
+    def _run_watched(self, what: str, program: Callable[[], Any]) -> Any:
+        """`program()`, which runs cross-worker collectives inside a compiled program and waits for
+        them, under the watchdog as `_cross_worker_sum`: a lost worker raises `LostWorkerError`."""
+        if self._monitor is None:
+            return program()
+        self._monitor.begin(what)
+        try:
+            result = program()
+        except Exception as error:  # noqa: BLE001 - re-raised, naming the lost worker
+            raise self._monitor.failed(error) from error
+        self._monitor.end()
+        return result
+
     def _cross_worker_gather(self, value: Any, axis: int) -> Any:
         """`value` of every worker concatenated along `axis` (sizes along `axis` may differ)."""
         if self._cluster.num_workers == 1:

@@ -185,31 +185,39 @@ def non_trainable_payload(variables: list, per_replica: list, host: str) -> tupl
 
     Returns `(payload, kinds)`; `kinds[i]` is "mean", "sum" or None (kept as is).
     """
-    payload, kinds = [], []
-    for index, variable in enumerate(variables):
-        aggregation = getattr(variable, "aggregation", "none")
-        is_float = "float" in str(variable.dtype)
+    payload, kinds = [], non_trainable_kinds(variables)
+    for index, (variable, kind) in enumerate(zip(variables, kinds)):
         values = [engine.devices.copy_to(ops.convert_to_tensor(state[index]), host) for state in per_replica]
-        if is_float and aggregation in ("mean", "none"):
-            kinds.append("mean")
+        if kind == "mean":
             payload.append(sum(values[1:], values[0]) if values else ops.zeros(variable.shape, variable.dtype))
-        elif aggregation == "sum":
-            kinds.append("sum")
+        elif kind == "sum":
             old = engine.devices.copy_to(variable.value, host)
             payload.append(sum((v - old for v in values), ops.zeros(variable.shape, variable.dtype)))
-        else:
-            kinds.append(None)
     return payload, kinds
 
 
-def assign_non_trainable(variables: list, kinds: list, totals: list, replicas_with_data: float) -> None:
-    """Assigns the cross-worker means (over replicas with data) and summed deltas."""
+def non_trainable_kinds(variables: list) -> list:
+    """Per variable, how workers combine it: "mean" (floats), "sum" (`aggregation="sum"`) or None (kept)."""
+    kinds = []
+    for variable in variables:
+        aggregation = getattr(variable, "aggregation", "none")
+        if "float" in str(variable.dtype) and aggregation in ("mean", "none"):
+            kinds.append("mean")
+        else:
+            kinds.append("sum" if aggregation == "sum" else None)
+    return kinds
+
+
+def assign_non_trainable(variables: list, kinds: list, totals: list, replicas_with_data: Any) -> None:
+    """Assigns the cross-worker means (over replicas with data) and summed deltas (also inside a
+    compiled program, where `replicas_with_data` is a tensor)."""
     values = iter(totals)
     for variable, kind in zip(variables, kinds):
         if kind is None:
             continue
-        total = _numpy(next(values))
+        total = ops.convert_to_tensor(next(values))
         if kind == "mean":
-            variable.assign(total / max(replicas_with_data, 1.0))
+            count = ops.maximum(ops.convert_to_tensor(replicas_with_data, "float32"), 1.0)
+            variable.assign(ops.divide(total, ops.cast(count, total.dtype)))
         else:
-            variable.assign(_numpy(variable.value) + total)
+            variable.assign(ops.add(variable.value, ops.cast(total, variable.dtype)))

@@ -49,6 +49,7 @@ from keras_strategies.keras_integration import optimizer_hooks
 from keras_strategies.backend import engine
 from keras_strategies.input import padding, worker_sharding
 from keras_strategies.trainer import cross_worker, gradient_buckets
+from keras_strategies.trainer.exchange_in_program import ExchangeInProgram
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
 from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.distribute.values import PerReplica
@@ -212,6 +213,7 @@ class ReplicaStep:
         self._rows_capacity = 0  # rows of the exchanged prediction buffers, the same on every worker
         self._backward_hooks: Optional[_OverlappedExchange] = None  # the train step's, while its replica runs
         self._bucket_layouts: dict = {}  # bytes per bucket -> the gradients' buckets
+        self._exchange_in_program = ExchangeInProgram(self)  # several workers, where the engine can
         make = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=compiled)
         self._train = make(self._replica_train)
         self._test = make(self._replica_test)
@@ -482,8 +484,11 @@ class ReplicaStep:
         """Whether the whole `kind` step can be one compiled program (`_train_and_update`,
         `_test_and_measure`, `_predict_all`): one worker, sums made in the replica program, and
         no eager fallback for this batch."""
-        eager_fallback = kind in self._uneven_runs and shards.uneven and self._padding_enters.get(kind) is not False
-        return self._whole_steps() and not eager_fallback
+        return self._whole_steps() and not self._eager_fallback(kind, shards)
+
+    def _eager_fallback(self, kind: str, shards: Shards) -> bool:
+        """Whether this batch's `kind` step may run eagerly on uneven shards (`_run_on_replicas`)."""
+        return kind in self._uneven_runs and shards.uneven and self._padding_enters.get(kind) is not False
 
     def _whole_steps(self) -> bool:
         """What a whole compiled step needs of every batch: compiled steps, sums made in the replica
@@ -586,6 +591,8 @@ class ReplicaStep:
             self._assign_non_trainable(non_trainable)
             return logs
         self.settle()
+        if self._exchange_in_program.applies(shards):
+            return self._exchange_in_program.train_step(shards, loss_scale, stop_asked)
         if self._overlaps_backward():
             exchanged = self._overlapped_run(shards, loss_scale, full_batch, stop_asked)
         else:

@@ -15,6 +15,10 @@ from tensorflow.python.ops import resource_variable_ops
 # compiles it as a whole (`tf.function`).
 TRACES_CUSTOM_STEPS = False
 
+# Whether a multi-worker train step runs its cross-worker exchange inside its compiled program
+# (`trainer/exchange_in_program.py`): yes, TF's collectives are ops of a `tf.function` (`CollectiveReduceV2`).
+EXCHANGES_IN_PROGRAM = True
+
 
 def compile_function(fn: Callable) -> Callable:
     return tf.function(fn, reduce_retracing=True, autograph=False)

@@ -12,6 +12,7 @@ import sys
 
 import keras_strategies as ks
 from keras_strategies.backend import engine
+from keras_strategies.trainer.exchange_in_program import ExchangeInProgram
 
 strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=120))
 
@@ -65,6 +66,10 @@ def wide_fit() -> None:
         return start_sum(values, what, donated)
 
     strategy.extended._start_cross_worker_sum = recording_sum
+    # Steps whose exchange ran inside the compiled step instead (TensorFlow, after the first).
+    in_program_steps = []
+    in_program_train_step = ExchangeInProgram.train_step
+    ExchangeInProgram.train_step = lambda self, *args: in_program_steps.append(1) or in_program_train_step(self, *args)
     # With the garbage collector off: a train step's own objects must be freed as soon as the
     # step ends, not left in reference cycles (which kept its autograd graph alive).
     gc.collect()
@@ -80,6 +85,8 @@ def wide_fit() -> None:
         gc.garbage.clear()
         gc.enable()
     del strategy.extended._start_cross_worker_sum
+    ExchangeInProgram.train_step = in_program_train_step
+    results["steps_exchanging_in_program"] = len(in_program_steps)
     results["large_sent"] = json.dumps(large_sizes)  # per sum (the first step sends its rows again)
     results["sums_started"] = json.dumps(started)
     for key, value in wide_run.items():

@@ -1,0 +1,167 @@
+"""A multi-worker train step whose cross-worker exchange runs inside its compiled program.
+
+Where the engine's cross-worker collectives are ops of its compiled programs
+(`engine.compiler.EXCHANGES_IN_PROGRAM`: TensorFlow's `CollectiveReduceV2`), a
+train step of several workers runs as two programs instead of the replica
+program, a host-packed exchange (`ReplicaStep._exchange`) and the update:
+
+1. the replicas and the exchange: the same one all-reduce of the batch check
+   and stop flag, the gradients, the loss, this worker's predictions, targets
+   and weights placed in buffers of the agreed rows capacity, and the
+   non-trainable sums (`cross_worker.py`);
+2. after the host has read the summed check (a stop, workers reading different
+   batches: `cross_worker.stop_or_check`, as the eager exchange does, before
+   any update), the optimizer update, the non-trainable assignment and the
+   metric update on the global batch.
+
+The eager exchange stays for what this one leaves to it: the first step (which
+agrees the rows capacity), a batch larger than that capacity, per-worker input,
+a replica without rows, targets that do not travel exactly as float32, and the
+backward-overlapped exchange of engines that report gradients as they go.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from keras import ops
+from keras.src import tree
+
+from keras_strategies.backend import engine
+from keras_strategies.trainer import cross_worker
+
+# Sent as float32 and exactly back: integer values up to 2**24 (class labels).
+_EXACT_IN_FLOAT32 = 2 ** 24
+
+
+class ExchangeInProgram:
+    """The train steps of `step` (a `ReplicaStep` of several workers) with the exchange in its program."""
+
+    def __init__(self, step: Any):
+        self._step = step
+        self._exchange_program: Any = None
+        self._update_program: Any = None
+
+    def applies(self, shards: Any) -> bool:
+        """Whether this batch's train step can exchange inside its program (see the module docstring).
+
+        Decided from what every worker shares (the global batch), so that all take the same path:
+        every replica of every worker has rows, and the targets travel exactly as float32.
+        """
+        step = self._step
+        return bool(
+            engine.compiler.EXCHANGES_IN_PROGRAM and step._compiled and step.reduce_in_program
+            and step.num_workers > 1 and not step._overlaps_backward() and shards.global_input
+            and step.strategy.num_replicas_in_sync <= shards.batch <= step._rows_capacity
+            and not step._eager_fallback("train", shards) and _travel_as_float32(shards)
+        )
+
+    def train_step(self, shards: Any, loss_scale: float, stop_asked: bool) -> Any:
+        """The step's logs, or `STOPPED` when a worker asked to stop."""
+        from keras_strategies.trainer.replica_step import STOPPED
+
+        step = self._step
+        targets_structure = tuple(cross_worker.own_rows(shards, part, step._rows_capacity)
+                                  for part in (shards.y, shards.sample_weight))
+        targets = [leaf for leaf in tree.flatten(targets_structure) if leaf is not None]
+        if self._exchange_program is None:
+            self._exchange_program = engine.compiler.compile_stateful(self._replicas_and_exchange, [])
+            self._update_program = engine.compiler.compile_stateful(self._update_and_measure, [])
+        plan = (tuple(shards.sizes), int(shards.offset), int(step._rows_capacity), int(shards.batch),
+                tuple(str(t.dtype) for t in targets))
+        sent = [t.astype("float32") for t in targets]
+        check = cross_worker.batch_check(shards, stop_asked)
+        per_replica = step._per_replica(shards, loss_scale)
+
+        def exchange() -> dict:
+            summed = self._exchange_program(per_replica, check, sent, plan)
+            summed["check"] = ops.convert_to_numpy(summed["check"])  # waits for the whole program
+            return summed
+
+        summed = step.strategy.extended._run_watched("gradient all-reduce", exchange)
+        if cross_worker.stop_or_check(summed["check"], shards, step.num_workers, exact=False):
+            return STOPPED
+        shards.y, shards.sample_weight = tree.pack_sequence_as(
+            targets_structure, _with_none(tree.flatten(targets_structure), summed["targets"])
+        )
+        return self._update_program(summed["grads"], summed["loss"], summed["predictions"],
+                                    step._batch_arrays(shards), summed["non_trainable"])
+
+    def _replicas_and_exchange(self, per_replica: list, check: Any, targets: list, plan: tuple) -> dict:
+        """Program 1: the replicas, then one all-reduce of everything the update needs."""
+        sizes, offset, capacity, batch, target_dtypes = plan
+        step = self._step
+        outputs = step._train(step._state(), per_replica)
+        grads, loss = step._sums_of_first_replica(outputs)
+        local = [tree.map_structure(lambda leaf, size=size: _first_rows(step._on_host(leaf), size), outputs[i][1][1])
+                 for i, size in enumerate(sizes)]
+        placed = tree.map_structure(lambda *leaves: _placed(leaves, offset, capacity), *local)
+        flat_predictions = tree.flatten(placed)
+        payload, _ = cross_worker.non_trainable_payload(
+            step.model.non_trainable_variables, [outputs[i][1][2] for i in range(len(sizes))], step.host
+        )
+        count = np.array(float(len(sizes)), "float32")
+        values = ([check] + list(grads) + [loss] + [_sendable(p) for p in flat_predictions] + list(targets)
+                  + payload + [count])
+        summed = step.strategy.extended._cross_worker_sum(values, "gradient all-reduce")
+        parts, start = [], 0
+        for length in (1, len(grads), 1, len(flat_predictions), len(targets), len(payload) + 1):
+            parts.append(summed[start:start + length])
+            start += length
+        (total_check,), grads, (loss,), predictions, summed_targets, non_trainable = parts
+        predictions = [_first_rows(_received(p, original), batch) for p, original in zip(predictions, flat_predictions)]
+        summed_targets = [_first_rows(ops.cast(ops.round(t), dtype) if dtype != "float32" else t, batch)
+                          for t, dtype in zip(summed_targets, target_dtypes)]
+        return dict(check=total_check, grads=list(grads), loss=loss, predictions=tree.pack_sequence_as(placed, predictions),
+                    targets=summed_targets, non_trainable=list(non_trainable))
+
+    def _update_and_measure(self, grads: list, loss: Any, predictions: Any, batch: tuple, non_trainable: list) -> dict:
+        """Program 2: the update, the non-trainable assignment and the metrics, as the eager exchange's step."""
+        step = self._step
+        variables = step.model.non_trainable_variables
+        logs = step._apply_and_measure(grads, loss, predictions, step._batch_tensors(batch))
+        *totals, count = non_trainable
+        cross_worker.assign_non_trainable(variables, cross_worker.non_trainable_kinds(variables), totals, count)
+        return logs
+
+
+def _travel_as_float32(shards: Any) -> bool:
+    """Whether the global batch's targets and weights travel exactly as float32 (class labels do)."""
+    for leaf in tree.flatten((shards.y, shards.sample_weight)):
+        array = None if leaf is None else np.asarray(leaf)
+        if array is None or array.dtype == np.float32:
+            continue
+        if array.dtype.kind not in "iub" or (array.size and float(np.abs(array).max()) >= _EXACT_IN_FLOAT32):
+            return False
+    return True
+
+
+def _with_none(leaves: list, values: list) -> list:
+    """`leaves` with each non-None leaf replaced by the next of `values`."""
+    values = iter(values)
+    return [None if leaf is None else next(values) for leaf in leaves]
+
+
+def _first_rows(value: Any, rows: int) -> Any:
+    """The first `rows` rows of `value`, with that static row count."""
+    if value.shape[0] != rows:
+        value = value[:rows]
+    return engine.compiler.with_rows(value, rows)
+
+
+def _placed(leaves: tuple, offset: int, capacity: int) -> Any:
+    """This worker's rows (its replicas' blocks in order) at `offset` in zeros of `capacity` rows."""
+    local = leaves[0] if len(leaves) == 1 else ops.concatenate(leaves, axis=0)
+    rows = int(local.shape[0])
+    widths = [[offset, capacity - offset - rows]] + [[0, 0]] * (len(local.shape) - 1)
+    return engine.compiler.with_rows(ops.pad(local, widths), capacity)
+
+
+def _sendable(value: Any) -> Any:
+    """Booleans (output masks) travel as float32, which sums exactly (one worker holds each row)."""
+    return ops.cast(value, "float32") if "bool" in str(value.dtype) else value
+
+
+def _received(value: Any, original: Any) -> Any:
+    return ops.cast(value, "bool") if "bool" in str(original.dtype) else value
