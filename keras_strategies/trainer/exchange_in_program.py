@@ -1,9 +1,10 @@
-"""A multi-worker train step whose cross-worker exchange runs inside its compiled program.
+"""Multi-worker train and test steps whose cross-worker exchange runs inside their compiled program.
 
 Where the engine's cross-worker collectives are ops of its compiled programs
 (`engine.compiler.EXCHANGES_IN_PROGRAM`: TensorFlow's `CollectiveReduceV2`), a
 train step of several workers runs as two programs instead of the replica
-program, a host-packed exchange (`ReplicaStep._exchange`) and the update:
+program, a host-packed exchange (`ReplicaStep._exchange`) and the update (a
+test step likewise, without gradients, update and non-trainable values):
 
 1. the replicas and the exchange: the same one all-reduce of the batch check
    and stop flag, the gradients, the loss, this worker's predictions, targets
@@ -33,18 +34,21 @@ from keras_strategies.trainer import cross_worker
 
 # Sent as float32 and exactly back: integer values up to 2**24 (class labels).
 _EXACT_IN_FLOAT32 = 2 ** 24
+# What a step's exchange is called in errors (as the eager exchange calls it).
+_WHAT = {"train": "gradient all-reduce", "test": "predictions all-gather"}
 
 
 class ExchangeInProgram:
-    """The train steps of `step` (a `ReplicaStep` of several workers) with the exchange in its program."""
+    """The train and test steps of `step` (a `ReplicaStep` of several workers) with the exchange
+    in their compiled program."""
 
     def __init__(self, step: Any):
         self._step = step
         self._exchange_program: Any = None
-        self._update_program: Any = None
+        self._update_programs: dict = {}  # "train" or "test" -> its second program
 
-    def applies(self, shards: Any) -> bool:
-        """Whether this batch's train step can exchange inside its program (see the module docstring).
+    def applies(self, kind: str, shards: Any) -> bool:
+        """Whether this batch's `kind` step can exchange inside its program (see the module docstring).
 
         Decided from what every worker shares (the global batch), so that all take the same path:
         every replica of every worker has rows, and the targets travel exactly as float32.
@@ -52,13 +56,13 @@ class ExchangeInProgram:
         step = self._step
         return bool(
             engine.compiler.EXCHANGES_IN_PROGRAM and step._compiled and step.reduce_in_program
-            and step.num_workers > 1 and not step._overlaps_backward() and shards.global_input
+            and step.num_workers > 1 and not (kind == "train" and step._overlaps_backward()) and shards.global_input
             and step.strategy.num_replicas_in_sync <= shards.batch <= step._rows_capacity
-            and not step._eager_fallback("train", shards) and _travel_as_float32(shards)
+            and not step._eager_fallback(kind, shards) and _travel_as_float32(shards)
         )
 
-    def train_step(self, shards: Any, loss_scale: float, stop_asked: bool) -> Any:
-        """The step's logs, or `STOPPED` when a worker asked to stop."""
+    def run(self, kind: str, shards: Any, loss_scale: float, stop_asked: bool) -> Any:
+        """The `kind` step's logs, or `STOPPED` when a worker asked to stop."""
         from keras_strategies.trainer.replica_step import STOPPED
 
         step = self._step
@@ -67,8 +71,9 @@ class ExchangeInProgram:
         targets = [leaf for leaf in tree.flatten(targets_structure) if leaf is not None]
         if self._exchange_program is None:
             self._exchange_program = engine.compiler.compile_stateful(self._replicas_and_exchange, [])
-            self._update_program = engine.compiler.compile_stateful(self._update_and_measure, [])
-        plan = (tuple(shards.sizes), int(shards.offset), int(step._rows_capacity), int(shards.batch),
+            self._update_programs = {"train": engine.compiler.compile_stateful(self._update_and_measure, []),
+                                     "test": engine.compiler.compile_stateful(self._measure, [])}
+        plan = (kind, tuple(shards.sizes), int(shards.offset), int(step._rows_capacity), int(shards.batch),
                 tuple(str(t.dtype) for t in targets))
         sent = [t.astype("float32") for t in targets]
         check = cross_worker.batch_check(shards, stop_asked)
@@ -79,34 +84,38 @@ class ExchangeInProgram:
             summed["check"] = ops.convert_to_numpy(summed["check"])  # waits for the whole program
             return summed
 
-        summed = step.strategy.extended._run_watched("gradient all-reduce", exchange)
+        summed = step.strategy.extended._run_watched(_WHAT[kind], exchange)
         if cross_worker.stop_or_check(summed["check"], shards, step.num_workers, exact=False):
             return STOPPED
         shards.y, shards.sample_weight = tree.pack_sequence_as(
             targets_structure, _with_none(tree.flatten(targets_structure), summed["targets"])
         )
-        return self._update_program(summed["grads"], summed["loss"], summed["predictions"],
-                                    step._batch_arrays(shards), summed["non_trainable"])
+        return self._update_programs[kind](summed["grads"], summed["loss"], summed["predictions"],
+                                           step._batch_arrays(shards), summed["non_trainable"])
 
     def _replicas_and_exchange(self, per_replica: list, check: Any, targets: list, plan: tuple) -> dict:
-        """Program 1: the replicas, then one all-reduce of everything the update needs."""
-        sizes, offset, capacity, batch, target_dtypes = plan
+        """Program 1: the replicas, then one all-reduce of everything the update and the metrics need."""
+        kind, sizes, offset, capacity, batch, target_dtypes = plan
         step = self._step
-        outputs = step._train(step._state(), per_replica)
-        grads, loss = step._sums_of_first_replica(outputs)
-        local = [tree.map_structure(lambda leaf, size=size: _first_rows(step._on_host(leaf), size), outputs[i][1][1])
-                 for i, size in enumerate(sizes)]
+        if kind == "train":
+            outputs = step._train(step._state(), per_replica)
+            grads, loss = step._sums_of_first_replica(outputs)
+            auxes = [aux for _, aux in outputs]
+            payload, _ = cross_worker.non_trainable_payload(
+                step.model.non_trainable_variables, [aux[2] for aux in auxes], step.host
+            )
+            payload.append(np.array(float(len(sizes)), "float32"))  # replicas with rows on this worker
+        else:
+            auxes = step._test(step._state(), per_replica)
+            grads, loss, payload = [], step._on_host(auxes[0][0]), []  # the loss summed in the replica program
+        local = [tree.map_structure(lambda leaf, size=size: _first_rows(step._on_host(leaf), size), aux[1])
+                 for aux, size in zip(auxes, sizes)]
         placed = tree.map_structure(lambda *leaves: _placed(leaves, offset, capacity), *local)
         flat_predictions = tree.flatten(placed)
-        payload, _ = cross_worker.non_trainable_payload(
-            step.model.non_trainable_variables, [outputs[i][1][2] for i in range(len(sizes))], step.host
-        )
-        count = np.array(float(len(sizes)), "float32")
-        values = ([check] + list(grads) + [loss] + [_sendable(p) for p in flat_predictions] + list(targets)
-                  + payload + [count])
-        summed = step.strategy.extended._cross_worker_sum(values, "gradient all-reduce")
+        values = [check] + list(grads) + [loss] + [_sendable(p) for p in flat_predictions] + list(targets) + payload
+        summed = step.strategy.extended._cross_worker_sum(values, _WHAT[kind])
         parts, start = [], 0
-        for length in (1, len(grads), 1, len(flat_predictions), len(targets), len(payload) + 1):
+        for length in (1, len(grads), 1, len(flat_predictions), len(targets), len(payload)):
             parts.append(summed[start:start + length])
             start += length
         (total_check,), grads, (loss,), predictions, summed_targets, non_trainable = parts
@@ -117,13 +126,19 @@ class ExchangeInProgram:
                     targets=summed_targets, non_trainable=list(non_trainable))
 
     def _update_and_measure(self, grads: list, loss: Any, predictions: Any, batch: tuple, non_trainable: list) -> dict:
-        """Program 2: the update, the non-trainable assignment and the metrics, as the eager exchange's step."""
+        """Program 2 of a train step: the update, the non-trainable assignment and the metrics,
+        as after the eager exchange."""
         step = self._step
         variables = step.model.non_trainable_variables
         logs = step._apply_and_measure(grads, loss, predictions, step._batch_tensors(batch))
         *totals, count = non_trainable
         cross_worker.assign_non_trainable(variables, cross_worker.non_trainable_kinds(variables), totals, count)
         return logs
+
+    def _measure(self, grads: list, loss: Any, predictions: Any, batch: tuple, non_trainable: list) -> dict:
+        """Program 2 of a test step: the metric update (no gradients, no non-trainable values)."""
+        step = self._step
+        return step._update_metrics(step._batch_tensors(batch), loss, predictions)
 
 
 def _travel_as_float32(shards: Any) -> bool:

@@ -591,8 +591,8 @@ class ReplicaStep:
             self._assign_non_trainable(non_trainable)
             return logs
         self.settle()
-        if self._exchange_in_program.applies(shards):
-            return self._exchange_in_program.train_step(shards, loss_scale, stop_asked)
+        if self._exchange_in_program.applies("train", shards):
+            return self._exchange_in_program.run("train", shards, loss_scale, stop_asked)
         if self._overlaps_backward():
             exchanged = self._overlapped_run(shards, loss_scale, full_batch, stop_asked)
         else:
@@ -643,6 +643,8 @@ class ReplicaStep:
         if self._one_program("test", shards):
             return self._compiled_step("test")(self._per_replica(shards, 1.0), self._batch_arrays(shards), tuple(shards.sizes))
         self.settle()
+        if self._exchange_in_program.applies("test", shards):
+            return self._exchange_in_program.run("test", shards, 1.0, stop_asked)
         outputs = self._run_on_replicas("test", shards, 1.0)
         if self.reduce_in_program:
             loss = self._on_host(outputs[0][0])

@@ -130,14 +130,24 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
             programs[on_each, sizes] = jax.jit(program)
         return programs[on_each, sizes]
 
-    def values_on_mesh(state: list, send: Any, sharding: Any, direct: bool) -> tuple:
-        """The state's values on the mesh, and `send` placed with `sharding`: one transfer."""
+    repeated = _RepeatedArrays()
+
+    def values_on_mesh(state: list, send: tuple, shardings: tuple, direct: bool) -> tuple:
+        """The state's values on the mesh, and each part of `send` placed with its sharding: one
+        transfer, without the small arrays that repeat from step to step (`_RepeatedArrays`)."""
         values = [_read(v, direct) for v in state]
         moving = [i for i, value in enumerate(values) if not _is_on(value, on_mesh)]
-        moved, sent = jax.device_put(([values[i] for i in moving], send), (on_mesh, sharding))
+        parts = [jax.tree_util.tree_flatten(part) for part in send]
+        leaves = [leaf for part, _ in parts for leaf in part]
+        targets = [sharding for (part, _), sharding in zip(parts, shardings) for _ in part]
+        placed, sending = repeated.lookup(leaves, targets)
+        moved, sent = jax.device_put(([values[i] for i in moving], [leaves[i] for i in sending]),
+                                     (on_mesh, [targets[i] for i in sending]))
         for i, value in zip(moving, moved):
             values[i] = value
-        return values, sent
+        repeated.keep(placed, sending, leaves, targets, sent)
+        placed = iter(placed)
+        return values, tuple(jax.tree_util.tree_unflatten(treedef, [next(placed) for _ in part]) for part, treedef in parts)
 
     def call(per_replica: Any, batch: tuple, sizes: tuple) -> Any:
         # One transfer for the batch, the shards and whatever state is not on the mesh yet; the
@@ -189,6 +199,37 @@ def settle(variables: Sequence[Any], device: str) -> None:
 
 # Elements of a host array small enough to keep on the mesh for the next call that sends it.
 _SMALL = 4096
+
+
+class _RepeatedArrays:
+    """Small host arrays a whole step sends every time, though they rarely change (the replicas'
+    weights of the loss, the batch size, the row masks of a partial batch), kept on the mesh by
+    value: each transfer costs about 60 µs however small, and the host sends one per array."""
+
+    LARGEST, KEPT = 64, 64  # elements of an array kept; arrays kept at most
+
+    def __init__(self):
+        self._kept: dict = {}
+
+    def _key(self, leaf: Any, sharding: Any) -> Any:
+        if isinstance(leaf, np.ndarray) and leaf.size <= self.LARGEST and leaf.dtype != object:
+            return sharding, leaf.dtype.str, leaf.shape, leaf.tobytes()
+        return None
+
+    def lookup(self, leaves: list, shardings: list) -> tuple[list, list]:
+        """The leaves already on the mesh (None where not), and the indices of those to send."""
+        placed = [self._kept.get(self._key(leaf, sharding)) for leaf, sharding in zip(leaves, shardings)]
+        return placed, [i for i, array in enumerate(placed) if array is None]
+
+    def keep(self, placed: list, sending: list, leaves: list, shardings: list, sent: list) -> None:
+        """Fills `placed` with what was `sent`, keeping the small ones for the next calls."""
+        for i, array in zip(sending, sent):
+            placed[i] = array
+            key = self._key(leaves[i], shardings[i])
+            if key is not None:
+                if len(self._kept) >= self.KEPT:
+                    self._kept.clear()
+                self._kept[key] = array
 
 
 def _direct() -> bool:

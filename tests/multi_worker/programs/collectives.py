@@ -68,8 +68,9 @@ def wide_fit() -> None:
     strategy.extended._start_cross_worker_sum = recording_sum
     # Steps whose exchange ran inside the compiled step instead (TensorFlow, after the first).
     in_program_steps = []
-    in_program_train_step = ExchangeInProgram.train_step
-    ExchangeInProgram.train_step = lambda self, *args: in_program_steps.append(1) or in_program_train_step(self, *args)
+    in_program_run = ExchangeInProgram.run
+    ExchangeInProgram.run = lambda self, kind, *args: (
+        in_program_steps.append(kind == "train") or in_program_run(self, kind, *args))
     # With the garbage collector off: a train step's own objects must be freed as soon as the
     # step ends, not left in reference cycles (which kept its autograd graph alive).
     gc.collect()
@@ -85,8 +86,8 @@ def wide_fit() -> None:
         gc.garbage.clear()
         gc.enable()
     del strategy.extended._start_cross_worker_sum
-    ExchangeInProgram.train_step = in_program_train_step
-    results["steps_exchanging_in_program"] = len(in_program_steps)
+    ExchangeInProgram.run = in_program_run
+    results["steps_exchanging_in_program"] = sum(in_program_steps)
     results["large_sent"] = json.dumps(large_sizes)  # per sum (the first step sends its rows again)
     results["sums_started"] = json.dumps(started)
     for key, value in wide_run.items():
