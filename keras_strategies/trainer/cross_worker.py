@@ -23,6 +23,10 @@ from keras.src import tree
 from keras_strategies.backend import engine
 
 
+STOPPED = object()
+"""What a step returns instead of its results when a worker asked to stop before it (`trainer/stopping.py`)."""
+
+
 def _numpy(value: Any) -> np.ndarray:
     return np.asarray(keras_backend.convert_to_numpy(value))
 

@@ -62,9 +62,7 @@ class ExchangeInProgram:
         )
 
     def run(self, kind: str, shards: Any, loss_scale: float, stop_asked: bool) -> Any:
-        """The `kind` step's logs, or `STOPPED` when a worker asked to stop."""
-        from keras_strategies.trainer.replica_step import STOPPED
-
+        """The `kind` step's logs, or `cross_worker.STOPPED` when a worker asked to stop."""
         step = self._step
         targets_structure = tuple(cross_worker.own_rows(shards, part, step._rows_capacity)
                                   for part in (shards.y, shards.sample_weight))
@@ -86,7 +84,7 @@ class ExchangeInProgram:
 
         summed = step.strategy.extended._run_watched(_WHAT[kind], exchange)
         if cross_worker.stop_or_check(summed["check"], shards, step.num_workers, exact=False):
-            return STOPPED
+            return cross_worker.STOPPED
         shards.y, shards.sample_weight = tree.pack_sequence_as(
             targets_structure, _with_none(tree.flatten(targets_structure), summed["targets"])
         )

@@ -49,13 +49,12 @@ from keras_strategies.keras_integration import optimizer_hooks
 from keras_strategies.backend import engine
 from keras_strategies.input import padding, worker_sharding
 from keras_strategies.trainer import cross_worker, gradient_buckets
+from keras_strategies.trainer.cross_worker import STOPPED
 from keras_strategies.trainer.exchange_in_program import ExchangeInProgram
 from keras_strategies.input.splitting import batch_size_of, shard_sizes, split_batch
 from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.distribute.values import PerReplica
 
-STOPPED = object()
-"""What a step returns instead of its results when a worker asked to stop before it (`trainer/stopping.py`)."""
 
 
 def _is_float(value: Any) -> bool:

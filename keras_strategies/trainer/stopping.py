@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-from keras_strategies.trainer.replica_step import STOPPED
+from keras_strategies.trainer.cross_worker import STOPPED
 
 
 class StopAgreement:
