@@ -285,8 +285,15 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
 
     patched = [(step_obj, name) for name in ("_train", "_exchange", "_update_metrics", "train_step")]
     in_program = getattr(step_obj, "_exchange_in_program", None)
+    updates = {}  # the in-program exchange's second programs, by step kind
     if getattr(in_program, "_exchange_program", None) is not None:
-        patched += [(in_program, "_exchange_program"), (in_program, "_update_program")]
+        patched.append((in_program, "_exchange_program"))
+        updates = in_program._update_programs
+    kept_updates = dict(updates)
+    for kind, program in kept_updates.items():
+        updates[kind] = timed("update_program", program)
+    # The in-program exchange's programs are attributes of its instance: put back as they were.
+    kept_programs = {name: getattr(obj, name) for obj, name in patched if obj is in_program}
     for obj, name in patched:
         object.__setattr__(obj, name, timed(name.lstrip("_"), getattr(obj, name)) if obj is in_program
                            else timed(name, getattr(obj, name)))
@@ -310,7 +317,11 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
         if overlapped_finish is not None:
             overlapped.finish = overlapped_finish
         for obj, name in patched:
-            obj.__dict__.pop(name, None)
+            if obj is in_program:
+                setattr(obj, name, kept_programs[name])
+            else:
+                obj.__dict__.pop(name, None)
+        updates.update(kept_updates)
         holder.train_step = step_obj.train_step
     result = {name: 1e3 * value / steps for name, value in totals.items()}
     result["collective"] = sum(collective_ms) / steps
