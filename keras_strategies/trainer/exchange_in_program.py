@@ -17,8 +17,10 @@ test step likewise, without gradients, update and non-trainable values):
 
 The eager exchange stays for what this one leaves to it: the first step (which
 agrees the rows capacity), a batch larger than that capacity, per-worker input,
-a replica without rows, targets that do not travel exactly as float32, and the
-backward-overlapped exchange of engines that report gradients as they go.
+a global batch with fewer rows than replicas, targets that do not travel
+exactly as float32, and the backward-overlapped exchange of engines that report
+gradients as they go. Every worker decides from the global batch, so all take
+the same path and make the same collectives.
 """
 
 from __future__ import annotations
