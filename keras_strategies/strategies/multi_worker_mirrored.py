@@ -59,21 +59,26 @@ def join_cluster(cluster: WorkerCluster, options: CommunicationOptions) -> None:
         )
 
 
+def _watched(monitor: Any, what: str, wait: Callable[[], Any]) -> Any:
+    """`wait()`, which waits for cross-worker collectives, under the watchdog: a lost worker
+    raises `LostWorkerError` naming it, and the watchdog bounds the wait."""
+    monitor.begin(what)
+    try:
+        result = wait()
+    except Exception as error:  # noqa: BLE001 - re-raised, naming the lost worker
+        raise monitor.failed(error) from error
+    monitor.end()
+    return result
+
+
 class _PendingSum:
-    """A cross-worker sum under way; `wait()` returns it, or raises `LostWorkerError` naming a lost
-    worker, and the watchdog bounds the wait."""
+    """A cross-worker sum under way; `wait()` returns it (see `_watched`)."""
 
     def __init__(self, monitor: Any, started: Any, what: str):
         self._monitor, self._started, self._what = monitor, started, what
 
     def wait(self) -> list:
-        self._monitor.begin(self._what)
-        try:
-            result = self._started.wait()
-        except Exception as error:  # noqa: BLE001 - re-raised, naming the lost worker
-            raise self._monitor.failed(error) from error
-        self._monitor.end()
-        return result
+        return _watched(self._monitor, self._what, self._started.wait)
 
 
 class MultiWorkerMirroredExtended(MirroredExtended):
@@ -177,15 +182,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
     def _run_watched(self, what: str, program: Callable[[], Any]) -> Any:
         """`program()`, which runs cross-worker collectives inside a compiled program and waits for
         them, under the watchdog as `_cross_worker_sum`: a lost worker raises `LostWorkerError`."""
-        if self._monitor is None:
-            return program()
-        self._monitor.begin(what)
-        try:
-            result = program()
-        except Exception as error:  # noqa: BLE001 - re-raised, naming the lost worker
-            raise self._monitor.failed(error) from error
-        self._monitor.end()
-        return result
+        return program() if self._monitor is None else _watched(self._monitor, what, program)
 
     def _cross_worker_gather(self, value: Any, axis: int) -> Any:
         """`value` of every worker concatenated along `axis` (sizes along `axis` may differ)."""

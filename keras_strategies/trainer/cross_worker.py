@@ -134,6 +134,11 @@ def own_rows(shards: Any, structure: Any, capacity: int) -> Any:
     return place_rows(shards, [rows], structure, capacity)
 
 
+def exact_in_float32(array: np.ndarray) -> bool:
+    """Whether an integer or boolean array's values travel exactly as float32 (class labels do)."""
+    return array.dtype.kind in "iub" and (array.size == 0 or float(np.abs(array).max()) < 2**24)
+
+
 class Exchange:
     """Named lists of tensors summed across workers together (packed by dtype).
 
@@ -159,8 +164,7 @@ class Exchange:
         donated = [given for _, values, given in self._parts for _ in values]
         # Small integers (class labels) travel as float32, exactly, so that a step needs one
         # collective rather than one per dtype.
-        self._as_float = [isinstance(v, np.ndarray) and v.dtype.kind in "iub" and (v.size == 0 or np.abs(v).max() < 2**24)
-                          for v in flat]
+        self._as_float = [isinstance(v, np.ndarray) and exact_in_float32(v) for v in flat]
         sent = [v.astype("float32") if cast else v for v, cast in zip(flat, self._as_float)]
         self._flat = flat
         self._started = self._start_sum(sent, what, donated)

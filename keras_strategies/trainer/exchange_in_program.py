@@ -34,8 +34,6 @@ from keras.src import tree
 from keras_strategies.backend import engine
 from keras_strategies.trainer import cross_worker
 
-# Sent as float32 and exactly back: integer values up to 2**24 (class labels).
-_EXACT_IN_FLOAT32 = 2 ** 24
 # What a step's exchange is called in errors (as the eager exchange calls it).
 _WHAT = {"train": "gradient all-reduce", "test": "predictions all-gather"}
 
@@ -143,13 +141,8 @@ class ExchangeInProgram:
 
 def _travel_as_float32(shards: Any) -> bool:
     """Whether the global batch's targets and weights travel exactly as float32 (class labels do)."""
-    for leaf in tree.flatten((shards.y, shards.sample_weight)):
-        array = None if leaf is None else np.asarray(leaf)
-        if array is None or array.dtype == np.float32:
-            continue
-        if array.dtype.kind not in "iub" or (array.size and float(np.abs(array).max()) >= _EXACT_IN_FLOAT32):
-            return False
-    return True
+    arrays = [np.asarray(leaf) for leaf in tree.flatten((shards.y, shards.sample_weight)) if leaf is not None]
+    return all(array.dtype == np.float32 or cross_worker.exact_in_float32(array) for array in arrays)
 
 
 def _with_none(leaves: list, values: list) -> list:

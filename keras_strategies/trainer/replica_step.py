@@ -56,7 +56,6 @@ from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.distribute.values import PerReplica
 
 
-
 def _is_float(value: Any) -> bool:
     return "float" in str(value.dtype)
 
