@@ -104,6 +104,14 @@ def stop_or_check(total: Any, shards: Any, num_workers: int, exact: bool) -> boo
     return False
 
 
+def may_go_on(total: Any, num_workers: int) -> Any:
+    """`stop_or_check` inside a compiled step: a boolean tensor, True unless a worker asked to
+    stop or the workers' batch sizes differ (the host then reads `total` and stops or raises)."""
+    digits, squares = ops.round(total[:_DIGITS]), ops.round(total[_DIGITS:2 * _DIGITS])
+    same_sizes = ops.all(ops.equal(float(num_workers) * squares, digits * digits))
+    return ops.logical_and(same_sizes, ops.less_equal(total[-1], 0.0))
+
+
 def place_rows(shards: Any, local_parts: list, template: Any, capacity: int) -> Any:
     """This worker's rows placed at their position in a zero buffer of `capacity` rows.
 

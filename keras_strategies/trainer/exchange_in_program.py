@@ -2,7 +2,7 @@
 
 Where the engine's cross-worker collectives are ops of its compiled programs
 (`engine.compiler.EXCHANGES_IN_PROGRAM`: TensorFlow's `CollectiveReduceV2`), a
-train step of several workers runs as two programs instead of the replica
+train step of several workers runs as one program instead of the replica
 program, a host-packed exchange (`ReplicaStep._exchange`) and the update (a
 test step likewise, without gradients, update and non-trainable values):
 
@@ -10,10 +10,14 @@ test step likewise, without gradients, update and non-trainable values):
    and stop flag, the gradients, the loss, this worker's predictions, targets
    and weights placed in buffers of the agreed rows capacity, and the
    non-trainable sums (`cross_worker.py`);
-2. after the host has read the summed check (a stop, workers reading different
-   batches: `cross_worker.stop_or_check`, as the eager exchange does, before
-   any update), the optimizer update, the non-trainable assignment and the
-   metric update on the global batch.
+2. only when the summed check lets every worker go on (`cross_worker.may_go_on`:
+   no stop asked, the same batch size everywhere; `engine.compiler.run_if`),
+   the optimizer update, the non-trainable assignment and the metric update on
+   the global batch.
+
+The host then reads the summed check as the eager exchange does
+(`cross_worker.stop_or_check`): a stop, or workers reading different batches,
+before any update was made.
 
 The eager exchange stays for what this one leaves to it: the first step (which
 agrees the rows capacity), a batch larger than that capacity, per-worker input,
@@ -44,8 +48,7 @@ class ExchangeInProgram:
 
     def __init__(self, step: Any):
         self._step = step
-        self._exchange_program: Any = None
-        self._update_programs: dict = {}  # "train" or "test" -> its second program
+        self._programs: dict = {}  # "train" or "test" -> its compiled step
 
     def applies(self, kind: str, shards: Any) -> bool:
         """Whether this batch's `kind` step can exchange inside its program (see the module docstring).
@@ -64,91 +67,96 @@ class ExchangeInProgram:
     def run(self, kind: str, shards: Any, loss_scale: float, stop_asked: bool) -> Any:
         """The `kind` step's logs, or `cross_worker.STOPPED` when a worker asked to stop."""
         step = self._step
-        targets_structure = tuple(cross_worker.own_rows(shards, part, step._rows_capacity)
-                                  for part in (shards.y, shards.sample_weight))
-        targets = [leaf for leaf in tree.flatten(targets_structure) if leaf is not None]
-        if self._exchange_program is None:
-            self._exchange_program = engine.compiler.compile_stateful(self._replicas_and_exchange, [])
-            self._update_programs = {"train": engine.compiler.compile_stateful(self._update_and_measure, []),
-                                     "test": engine.compiler.compile_stateful(self._measure, [])}
-        plan = (kind, tuple(shards.sizes), int(shards.offset), int(step._rows_capacity), int(shards.batch),
-                tuple(str(t.dtype) for t in targets))
-        sent = [t.astype("float32") for t in targets]
+        program = self._programs.get(kind)
+        if program is None:
+            program = self._programs[kind] = engine.compiler.compile_stateful(getattr(self, f"_{kind}_program"), [])
+        targets = tree.map_structure(
+            lambda leaf: None if leaf is None else leaf.astype("float32"),
+            tuple(cross_worker.own_rows(shards, part, step._rows_capacity) for part in (shards.y, shards.sample_weight)),
+        )
+        dtypes = tuple(None if leaf is None else str(np.asarray(leaf).dtype)
+                       for leaf in tree.flatten((shards.y, shards.sample_weight)))
+        plan = (tuple(shards.sizes), int(shards.offset), int(step._rows_capacity), int(shards.batch), dtypes,
+                int(step.num_workers))
+        rows, x, _, _ = step._batch_arrays(shards)  # the targets come from the exchange
         check = cross_worker.batch_check(shards, stop_asked)
         per_replica = step._per_replica(shards, loss_scale)
 
-        def exchange() -> dict:
-            summed = self._exchange_program(per_replica, check, sent, plan)
-            summed["check"] = ops.convert_to_numpy(summed["check"])  # waits for the whole program
-            return summed
+        def whole_step() -> dict:
+            outputs = program(per_replica, check, targets, (rows, x), plan)
+            outputs["check"] = ops.convert_to_numpy(outputs["check"])  # waits for the whole program
+            return outputs
 
-        summed = step.strategy.extended._run_watched(_WHAT[kind], exchange)
-        if cross_worker.stop_or_check(summed["check"], shards, step.num_workers, exact=False):
+        outputs = step.strategy.extended._run_watched(_WHAT[kind], whole_step)
+        if cross_worker.stop_or_check(outputs["check"], shards, step.num_workers, exact=False):
             return cross_worker.STOPPED
-        shards.y, shards.sample_weight = tree.pack_sequence_as(
-            targets_structure, _with_none(tree.flatten(targets_structure), summed["targets"])
-        )
-        return self._update_programs[kind](summed["grads"], summed["loss"], summed["predictions"],
-                                           step._batch_arrays(shards), summed["non_trainable"])
+        return outputs["logs"]
 
-    def _replicas_and_exchange(self, per_replica: list, check: Any, targets: list, plan: tuple) -> dict:
-        """Program 1: the replicas, then one all-reduce of everything the update and the metrics need."""
-        kind, sizes, offset, capacity, batch, target_dtypes = plan
+    def _train_program(self, per_replica: list, check: Any, targets: tuple, batch: tuple, plan: tuple) -> dict:
+        """The replicas, the exchange, and (when every worker may go on) the update and the metrics."""
         step = self._step
-        if kind == "train":
-            outputs = step._train(step._state(), per_replica)
-            grads, loss = step._sums_of_first_replica(outputs)
-            auxes = [aux for _, aux in outputs]
-            payload, _ = cross_worker.non_trainable_payload(
-                step.model.non_trainable_variables, [aux[2] for aux in auxes], step.host
-            )
-            payload.append(np.array(float(len(sizes)), "float32"))  # replicas with rows on this worker
-        else:
-            auxes = step._test(step._state(), per_replica)
-            grads, loss, payload = [], step._on_host(auxes[0][0]), []  # the loss summed in the replica program
-        local = [tree.map_structure(lambda leaf, size=size: _first_rows(step._on_host(leaf), size), aux[1])
-                 for aux, size in zip(auxes, sizes)]
+        outputs = step._train(step._state(), per_replica)
+        grads, loss = step._sums_of_first_replica(outputs)
+        auxes = [aux for _, aux in outputs]
+        payload, _ = cross_worker.non_trainable_payload(
+            step.model.non_trainable_variables, [aux[2] for aux in auxes], step.host
+        )
+        payload.append(np.array(float(len(plan[0])), "float32"))  # replicas with rows on this worker
+        summed = self._exchange(check, grads, loss, [aux[1] for aux in auxes], targets, payload, plan)
+
+        def update_and_measure() -> dict:
+            variables = step.model.non_trainable_variables
+            logs = step._apply_and_measure(summed["grads"], summed["loss"], summed["predictions"],
+                                          step._batch_tensors(summed["batch"](batch)))
+            *totals, count = summed["payload"]
+            cross_worker.assign_non_trainable(variables, cross_worker.non_trainable_kinds(variables), totals, count)
+            return logs
+
+        return dict(check=summed["check"], logs=engine.compiler.run_if(summed["go_on"], update_and_measure))
+
+    def _test_program(self, per_replica: list, check: Any, targets: tuple, batch: tuple, plan: tuple) -> dict:
+        """The replicas, the exchange, and (when every worker may go on) the metrics on the global batch."""
+        step = self._step
+        auxes = step._test(step._state(), per_replica)
+        loss = step._on_host(auxes[0][0])  # the loss summed in the replica program
+        summed = self._exchange(check, [], loss, [aux[1] for aux in auxes], targets, [], plan)
+
+        def measure() -> dict:
+            return step._update_metrics(step._batch_tensors(summed["batch"](batch)), summed["loss"], summed["predictions"])
+
+        return dict(check=summed["check"], logs=engine.compiler.run_if(summed["go_on"], measure))
+
+    def _exchange(self, check: Any, grads: list, loss: Any, predictions: list, targets: tuple, payload: list,
+                  plan: tuple) -> dict:
+        """One all-reduce of everything the update and the metrics need; `go_on` is False when a
+        worker asked to stop or the workers' batch sizes differ (`cross_worker.may_go_on`)."""
+        sizes, offset, capacity, batch, dtypes, num_workers = plan
+        step = self._step
+        local = [tree.map_structure(lambda leaf, size=size: _first_rows(step._on_host(leaf), size), part)
+                 for part, size in zip(predictions, sizes)]
         placed = tree.map_structure(lambda *leaves: _placed(leaves, offset, capacity), *local)
         flat_predictions = tree.flatten(placed)
-        values = [check] + list(grads) + [loss] + [_sendable(p) for p in flat_predictions] + list(targets) + payload
-        summed = step.strategy.extended._cross_worker_sum(values, _WHAT[kind])
+        flat_targets = [leaf for leaf in tree.flatten(targets) if leaf is not None]
+        values = [check] + list(grads) + [loss] + [_sendable(p) for p in flat_predictions] + flat_targets + payload
+        summed = step.strategy.extended._cross_worker_sum(values, _WHAT["train" if grads else "test"])
         parts, start = [], 0
-        for length in (1, len(grads), 1, len(flat_predictions), len(targets), len(payload)):
+        for length in (1, len(grads), 1, len(flat_predictions), len(flat_targets), len(payload)):
             parts.append(summed[start:start + length])
             start += length
-        (total_check,), grads, (loss,), predictions, summed_targets, non_trainable = parts
-        predictions = [_first_rows(_received(p, original), batch) for p, original in zip(predictions, flat_predictions)]
-        summed_targets = [_first_rows(ops.cast(ops.round(t), dtype) if dtype != "float32" else t, batch)
-                          for t, dtype in zip(summed_targets, target_dtypes)]
-        return dict(check=total_check, grads=list(grads), loss=loss, predictions=tree.pack_sequence_as(placed, predictions),
-                    targets=summed_targets, non_trainable=list(non_trainable))
-
-    def _update_and_measure(self, grads: list, loss: Any, predictions: Any, batch: tuple, non_trainable: list) -> dict:
-        """Program 2 of a train step: the update, the non-trainable assignment and the metrics,
-        as after the eager exchange."""
-        step = self._step
-        variables = step.model.non_trainable_variables
-        logs = step._apply_and_measure(grads, loss, predictions, step._batch_tensors(batch))
-        *totals, count = non_trainable
-        cross_worker.assign_non_trainable(variables, cross_worker.non_trainable_kinds(variables), totals, count)
-        return logs
-
-    def _measure(self, grads: list, loss: Any, predictions: Any, batch: tuple, non_trainable: list) -> dict:
-        """Program 2 of a test step: the metric update (no gradients, no non-trainable values)."""
-        step = self._step
-        return step._update_metrics(step._batch_tensors(batch), loss, predictions)
+        (total_check,), grads, (loss,), received, summed_targets, payload = parts
+        received = [_first_rows(_received(p, original), batch) for p, original in zip(received, flat_predictions)]
+        typed = iter(_first_rows(ops.cast(ops.round(t), dtype) if dtype != "float32" else t, batch)
+                     for t, dtype in zip(summed_targets, [d for d in dtypes if d is not None]))
+        y, sample_weight = tree.pack_sequence_as(targets, [None if d is None else next(typed) for d in dtypes])
+        return dict(check=total_check, go_on=cross_worker.may_go_on(total_check, num_workers), grads=list(grads),
+                    loss=loss, predictions=tree.pack_sequence_as(placed, received), payload=list(payload),
+                    batch=lambda rows_and_x: tuple(rows_and_x) + (y, sample_weight))
 
 
 def _travel_as_float32(shards: Any) -> bool:
     """Whether the global batch's targets and weights travel exactly as float32 (class labels do)."""
     arrays = [np.asarray(leaf) for leaf in tree.flatten((shards.y, shards.sample_weight)) if leaf is not None]
     return all(array.dtype == np.float32 or cross_worker.exact_in_float32(array) for array in arrays)
-
-
-def _with_none(leaves: list, values: list) -> list:
-    """`leaves` with each non-None leaf replaced by the next of `values`."""
-    values = iter(values)
-    return [None if leaf is None else next(values) for leaf in leaves]
 
 
 def _first_rows(value: Any, rows: int) -> Any:

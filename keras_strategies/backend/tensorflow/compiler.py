@@ -20,6 +20,25 @@ TRACES_CUSTOM_STEPS = False
 EXCHANGES_IN_PROGRAM = True
 
 
+def run_if(condition: Any, fn: Callable[[], Any]) -> Any:
+    """Inside a program being traced: `fn()`'s outputs when `condition` holds, else zeros of the
+    same structure; `fn`'s updates run only when it holds (`tf.cond`).
+
+    What an engine with `EXCHANGES_IN_PROGRAM` offers its in-program steps, so that a step whose
+    workers must stop skips its update without a second program.
+    """
+    taken: dict = {}
+
+    def when_true() -> Any:
+        taken["outputs"] = tree.map_structure(tf.convert_to_tensor, fn())
+        return taken["outputs"]
+
+    def when_false() -> Any:  # traced after `when_true` (`cond_v2` traces the true branch first)
+        return tree.map_structure(lambda t: tf.zeros([d or 0 for d in t.shape.as_list()], t.dtype), taken["outputs"])
+
+    return tf.cond(condition, when_true, when_false)
+
+
 def compile_function(fn: Callable) -> Callable:
     return tf.function(fn, reduce_retracing=True, autograph=False)
 
