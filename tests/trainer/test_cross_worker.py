@@ -57,3 +57,18 @@ def test_rows_are_placed_in_a_buffer_of_the_agreed_size():
         assert placed.shape == (capacity, 1) and placed.dtype == np.float32
         np.testing.assert_array_equal(placed, expected[:capacity])
     np.testing.assert_array_equal(cross_worker.place_rows(shards, [], template, 6), np.zeros((6, 1), "float32"))
+
+
+@pytest.mark.parametrize("sizes, stops, go_on", [
+    ((256, 256), (0, 0), True),
+    ((100_000,) * 3, (0, 0, 0), True),
+    ((256, 255), (0, 0), False),
+    ((7, 7, 8), (0, 0, 0), False),
+    ((16, 16), (0, 1), False),
+])
+def test_inside_a_program_a_step_goes_on_only_with_the_same_batch_size_everywhere_and_no_stop(sizes, stops, go_on):
+    from keras import ops
+
+    total = sum(cross_worker.batch_check(_batch(n), bool(stop)) for n, stop in zip(sizes, stops))
+    decided = cross_worker.may_go_on(ops.convert_to_tensor(total), len(sizes))
+    assert bool(ops.convert_to_numpy(decided)) is go_on
