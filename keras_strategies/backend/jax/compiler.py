@@ -130,7 +130,7 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
             programs[on_each, sizes] = jax.jit(program)
         return programs[on_each, sizes]
 
-    repeated = _RepeatedArrays()
+    repeated = _RepeatedArrays(largest=64)  # a whole step's small arrays: weights, batch size
 
     def values_on_mesh(state: list, send: tuple, shardings: tuple, direct: bool) -> tuple:
         """The state's values on the mesh, and each part of `send` placed with its sharding: one
@@ -197,22 +197,20 @@ def settle(variables: Sequence[Any], device: str) -> None:
             variable.assign(value)
 
 
-# Elements of a host array small enough to keep on the mesh for the next call that sends it.
-_SMALL = 4096
-
-
 class _RepeatedArrays:
-    """Small host arrays a whole step sends every time, though they rarely change (the replicas'
+    """Small host arrays a step sends every time, though they rarely change (the replicas'
     weights of the loss, the batch size, the row masks of a partial batch), kept on the mesh by
-    value: each transfer costs about 60 µs however small, and the host sends one per array."""
+    value: each transfer costs about 60 µs however small, and the host sends one per array.
+    `largest`: the elements of an array kept."""
 
-    LARGEST, KEPT = 64, 64  # elements of an array kept; arrays kept at most
+    KEPT = 64  # arrays kept at most
 
-    def __init__(self):
+    def __init__(self, largest: int):
+        self._largest = largest
         self._kept: dict = {}
 
     def _key(self, leaf: Any, sharding: Any) -> Any:
-        if isinstance(leaf, np.ndarray) and leaf.size <= self.LARGEST and leaf.dtype != object:
+        if isinstance(leaf, np.ndarray) and leaf.size <= self._largest and leaf.dtype != object:
             return sharding, leaf.dtype.str, leaf.shape, leaf.tobytes()
         return None
 
@@ -316,7 +314,7 @@ class CustomStepProgram:
         self._first = mesh.devices.flat[0]
         self._programs: dict = {}  # key -> (variables, the jitted program)
         self._on_mesh_copies: dict = {}  # id(variable) -> (its value on the first device, that value on the mesh)
-        self._small_arrays: dict = {}  # a small host array's dtype, shape and bytes -> it, split over the mesh
+        self._repeated = _RepeatedArrays(largest=4096)  # the row masks, which the same shard sizes repeat
 
     def _traced(self, body: Callable, variables: list) -> tuple[Callable, list]:
         """The jitted program of `body` over `variables`, and the other variables its trace touched."""
@@ -380,16 +378,7 @@ class CustomStepProgram:
             shape = (first.shape[0] * len(components),) + tuple(first.shape[1:])
             return jax.make_array_from_single_device_arrays(shape, self._split, list(components))
         arrays = [np.asarray(c) for c in components]
-        host = np.concatenate(arrays) if arrays[0].ndim else np.stack(arrays)
-        if host.size > _SMALL or host.dtype == object:
-            return host
-        # Small host arrays (the row masks, which the same shard sizes repeat) are sent once.
-        key = (host.dtype.str, host.shape, host.tobytes())
-        if key not in self._small_arrays:
-            if len(self._small_arrays) >= 64:
-                self._small_arrays.clear()
-            self._small_arrays[key] = jax.device_put(host, self._split)
-        return self._small_arrays[key]
+        return np.concatenate(arrays) if arrays[0].ndim else np.stack(arrays)
 
     def _in_place(self, value: Any) -> bool:
         """Whether a replicated argument is on every device of the mesh already (on a mesh of one
@@ -411,16 +400,19 @@ class CustomStepProgram:
             elif not _is_on(value, self._on_mesh):
                 moving.append(i)
             values.append(value)
-        sending = [i for i, array in enumerate(stacked) if not isinstance(array, jax.Array)]
+        on_host = [i for i, array in enumerate(stacked) if not isinstance(array, jax.Array)]
+        host_arrays, splits = [stacked[i] for i in on_host], [self._split] * len(on_host)
+        found, sending = self._repeated.lookup(host_arrays, splits)  # small ones sent before
         replicated = list(replicated)
         copying = [i for i, array in enumerate(replicated) if not self._in_place(array)]
-        if not (moving or sending or copying):
-            return values, stacked, replicated
-        moved, sent, copied = jax.device_put(
-            ([values[i] for i in moving], [stacked[i] for i in sending], [replicated[i] for i in copying]),
-            (self._on_mesh, self._split, self._on_mesh),
-        )
-        for i, array in zip(sending, sent):
+        moved, sent, copied = [], [], []
+        if moving or sending or copying:
+            moved, sent, copied = jax.device_put(
+                ([values[i] for i in moving], [host_arrays[j] for j in sending], [replicated[i] for i in copying]),
+                (self._on_mesh, self._split, self._on_mesh),
+            )
+        self._repeated.keep(found, sending, host_arrays, splits, sent)
+        for i, array in zip(on_host, found):
             stacked[i] = array
         for i, array in zip(copying, copied):
             replicated[i] = array

@@ -188,6 +188,26 @@ def test_a_partial_last_batch_is_padded_into_the_full_batches_program_and_trains
     assert got[5] == [(1, 1), (1, 1), (0, 1), (0, 1)]  # per-replica outputs without their padding rows
 
 
+def test_the_row_masks_travel_once_each_in_a_steps_one_transfer(monkeypatch):
+    # 72 rows: four full global batches and a partial one, three epochs. Each step's program
+    # takes the replicas' row masks (16 rows); a full batch's and the partial batch's are sent
+    # once each, the partial batch's in the one transfer that also sends its padded shards.
+    sends = []
+    device_put = replicas.jax.device_put
+
+    def recording(values, *args, **kwargs):
+        sends.append([np.shape(leaf) for leaf in jax.tree_util.tree_leaves(values) if isinstance(leaf, np.ndarray)])
+        return device_put(values, *args, **kwargs)
+
+    monkeypatch.setattr(replicas.jax, "device_put", recording)
+    got = _guide_loop(ks.MirroredStrategy(DEVICES), rows=72, epochs=3)
+    monkeypatch.undo()
+    with_masks = [shapes for shapes in sends if (GLOBAL_BATCH,) in shapes]
+    assert [shapes.count((GLOBAL_BATCH,)) for shapes in with_masks] == [1, 1]
+    assert sorted(with_masks[-1]) == [(GLOBAL_BATCH,), (GLOBAL_BATCH, 1), (GLOBAL_BATCH, 4)]
+    _assert_alike(got, _guide_loop(ks.OneDeviceStrategy("cpu:0"), rows=72, epochs=3))
+
+
 def test_a_step_whose_loss_reduces_the_rows_itself_runs_its_uneven_batches_eagerly(monkeypatch):
     with pytest.warns(UserWarning, match="a Keras loss reduces the shard's rows itself"):
         got = _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1, rows=37, keras_loss_mean=True)
