@@ -18,8 +18,12 @@ batch 256, so 128 rows per worker). Per backend it measures:
      process feeding its half of every global batch (`batch_size=128`,
      `auto_shard_dataset=False`, which Keras requires for NumPy input; Keras
      builds the global array with `jax.make_array_from_process_local_data`).
-   - PyTorch: a `torch.nn.parallel.DistributedDataParallel` loop (gloo) on an
-     equivalent `torch.nn` MLP with `torch.optim.Adam`.
+   - PyTorch: a `torch.nn.parallel.DistributedDataParallel` loop (gloo) over
+     the same Keras model (a `torch.nn.Module` on this backend) and Keras'
+     Adam, as the TensorFlow loop uses them. For reference ("raw" jobs, after
+     each pair, outside the target): the same MLP as plain `torch.nn` modules
+     with `torch.optim.Adam` under DDP, which shows what Keras' own layers and
+     optimizer cost on PyTorch.
    Every step of every mode ends with the global loss and accuracy on the host,
    as Keras' logs do (the TF and torch loops all-reduce [loss, correct] for it).
 2. All-reduce throughput (in the "ks" jobs, after fit) for ~1 MB and ~16 MB of
@@ -108,8 +112,10 @@ TENSORS = 10
 NATIVE_NAMES = {
     "tensorflow": "tf.distribute.MultiWorkerMirroredStrategy custom loop",
     "jax": "keras.distribution.DataParallel fit (jax.distributed + gloo)",
-    "torch": "torch DistributedDataParallel loop (gloo)",
+    "torch": "torch DistributedDataParallel loop over the Keras model (gloo)",
 }
+# Reference runs without Keras, where the native path above keeps Keras' model (PyTorch).
+RAW_REFERENCE = {"torch": "the same MLP as plain torch.nn modules, torch.optim.Adam, under DistributedDataParallel"}
 RAW_NAMES = {
     "tensorflow": "tf.raw_ops.CollectiveReduceV2 in a tf.function",
     "jax": "jitted sum over a process mesh (gloo)",
@@ -391,11 +397,44 @@ def _native_jax(args, index: int, addresses: list, x, y) -> tuple[dict, str]:
 
 
 def _native_torch(args, index: int, addresses: list, x, y) -> tuple[dict, str]:
+    """torch's own data parallelism over the same Keras model and optimizer (as TensorFlow's
+    native loop uses them): the model, a `torch.nn.Module` on this backend, wrapped in
+    `DistributedDataParallel`, which all-reduces the gradient buckets during `backward()`."""
     import torch
-    import torch.distributed as dist
 
-    host, port = addresses[0].rsplit(":", 1)
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=index, world_size=WORKERS)
+    _join_torch_group(index, addresses)
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = _build_model(keras)  # compiled, but only its layers and optimizer are used
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
+    variables = model.trainable_variables
+    half = GLOBAL_BATCH // WORKERS
+
+    def step(xb, yb):
+        logits = wrapped(xb, training=True)
+        loss = torch.sum(loss_fn(yb, logits)) / half  # the local mean; DDP averages over ranks
+        for variable in variables:
+            variable.value.grad = None
+        loss.backward()
+        with torch.no_grad():
+            optimizer.apply([variable.value.grad for variable in variables], variables)
+        return _global_loss_and_accuracy(loss, logits, yb)
+
+    return _torch_loop(args, index, x, y, step), (
+        f"DistributedDataParallel(gloo, world_size={WORKERS}) over the Keras model, Keras Adam, {half} rows per rank"
+    )
+
+
+def _raw_torch(args, index: int, addresses: list, x, y) -> tuple[dict, str]:
+    """Reference for the PyTorch row: the same MLP as plain `torch.nn` modules with
+    `torch.optim.Adam` under `DistributedDataParallel`, without Keras."""
+    import torch
+
+    _join_torch_group(index, addresses)
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
@@ -413,22 +452,47 @@ def _native_torch(args, index: int, addresses: list, x, y) -> tuple[dict, str]:
         loss = loss_fn(logits, yb)
         loss.backward()  # DDP all-reduces the gradient buckets here
         optimizer.step()
-        with torch.no_grad():
-            totals = torch.stack([loss.detach() * yb.shape[0], (logits.argmax(-1) == yb).sum().float()])
-            dist.all_reduce(totals)
-        loss_sum, correct = totals.tolist()
-        return loss_sum / GLOBAL_BATCH, correct / GLOBAL_BATCH
+        return _global_loss_and_accuracy(loss, logits, yb)
+
+    return _torch_loop(args, index, x, y, step), (
+        f"DistributedDataParallel(gloo, world_size={WORKERS}) over torch.nn, torch.optim.Adam, "
+        f"{GLOBAL_BATCH // WORKERS} rows per rank"
+    )
+
+
+def _join_torch_group(index: int, addresses: list) -> None:
+    import torch.distributed as dist
+
+    host, port = addresses[0].rsplit(":", 1)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=index, world_size=WORKERS)
+
+
+def _global_loss_and_accuracy(loss, logits, yb) -> tuple:
+    """The global batch's loss and accuracy on the host, as Keras' logs are."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        totals = torch.stack([loss.detach() * yb.shape[0], (logits.argmax(-1) == yb).sum().float()])
+        dist.all_reduce(totals)
+    loss_sum, correct = totals.tolist()
+    return loss_sum / GLOBAL_BATCH, correct / GLOBAL_BATCH
+
+
+def _torch_loop(args, index: int, x, y, step) -> dict:
+    """`step` timed over this rank's rows of every global batch; leaves the process group."""
+    import torch
+    import torch.distributed as dist
 
     xl, yl = _local_rows(index, x, y)
     half = GLOBAL_BATCH // WORKERS
     batches = [(torch.from_numpy(xl[i:i + half].copy()), torch.from_numpy(yl[i:i + half].astype("int64")))
                for i in range(0, len(xl), half)]
     try:
-        result = _loop_timed(step, batches, args.epochs)
+        return _loop_timed(step, batches, args.epochs)
     finally:
         dist.barrier()
         dist.destroy_process_group()
-    return result, f"DistributedDataParallel(gloo, world_size={WORKERS}), Adam, {half} rows per rank"
 
 
 # --- all-reduce: ours vs the raw engine -------------------------------------------------
@@ -731,6 +795,8 @@ def run_job(args) -> None:
             result, setup = _native_tensorflow(args, index, x, y)
         elif args.backend == "jax":
             result, setup = _native_jax(args, index, addresses, x, y)
+        elif args.mode == "raw":
+            result, setup = _raw_torch(args, index, addresses, x, y)
         else:
             result, setup = _native_torch(args, index, addresses, x, y)
     result.update(
@@ -813,6 +879,7 @@ def run_parent(args) -> int:
     for repeat in range(args.repeats):
         for backend in backends:
             order = ("ks", "native") if repeat % 2 == 0 else ("native", "ks")
+            order += ("raw",) if backend in RAW_REFERENCE else ()  # after the pair, which stays back to back
             for mode in order:
                 result = launch_job(backend, mode, args)
                 runs.setdefault((backend, mode), []).append(result)
@@ -831,6 +898,10 @@ def run_parent(args) -> int:
                           file=sys.stderr, flush=True)
 
     errors = []
+    reference_lines = [
+        "| backend | reference without Keras | its ms/step (p10) | native / it | ours / it |",
+        "|---|---|---:|---:|---:|",
+    ]
     step_lines = [
         "| backend | ours ms/step (p10) | native path | native ms/step (p10) | ratio ours/native | ratio of p10s "
         "| target (median ratio) |",
@@ -878,6 +949,14 @@ def run_parent(args) -> int:
             f"{_fmt(_median(r['worker1_median_ms'] for r in ours_runs))} | "
             f"{_fmt(_median(r['worker1_median_ms'] for r in base_runs))} |"
         )
+        raw_runs = [r for r in runs.get((backend, "raw"), []) if "error" not in r]
+        errors += [f"{backend}/raw: {r['error']}" for r in runs.get((backend, "raw"), []) if "error" in r]
+        if raw_runs:
+            raw = _median(r["median_ms"] for r in raw_runs)
+            reference_lines.append(
+                f"| {backend} | {RAW_REFERENCE[backend]} | {_fmt(raw)} ({_fmt(_median(r['p10_ms'] for r in raw_runs))}) "
+                f"| {_fmt(base / raw if base else None)} | {_fmt(ours / raw if ours else None)} |"
+            )
         splits = [r["dtype_split"] for r in ours_runs if r.get("dtype_split")]
         if splits:
             one = _median(x["one_dtype_ms"] for x in splits)
@@ -942,6 +1021,9 @@ def run_parent(args) -> int:
     print("\n".join(step_lines))
     _print_table("Cross-checks: begin-to-begin cycle time on worker 0 (step + loop overhead), and worker 1's median "
                  "step:", cycle_lines)
+    if len(reference_lines) > 2:
+        _print_table("Reference: the engine's data parallelism without Keras (medians of the runs; what Keras' own "
+                     "layers and optimizer cost on that backend, outside the target):", reference_lines)
     _print_table("All-reduce, ours (`strategy.extended._cross_worker_sum(tensors, donated=True)`, as the train step "
                  "sends its gradients) vs the raw engine (one pre-flattened buffer), worker 0; 'kept inputs' is the "
                  "same call with donated=False; 'raw, per tensor' is the engine given the same ten tensors as they "
@@ -961,7 +1043,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", action="store_true", help="(internal) run as one worker of a launched job")
     parser.add_argument("--backend", choices=BACKENDS, help="job: the Keras backend")
-    parser.add_argument("--mode", choices=("ks", "native"), help="job: ks.MultiWorkerMirroredStrategy or native")
+    parser.add_argument("--mode", choices=("ks", "native", "raw"),
+                        help="job: ks.MultiWorkerMirroredStrategy, native, or (torch) raw torch.nn under DDP")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="parent: comma-separated backends")
     parser.add_argument("--steps", type=int, default=50, help="global steps per epoch (default 50)")
     parser.add_argument("--epochs", type=int, default=2, help="measured epochs after the warm-up epoch (default 2)")

@@ -82,6 +82,9 @@ def test_multi_worker_step_time_smoke():
     assert [row[0] for row in reduce] == [BACKEND], reduce
     assert all(is_number(reduce[0][i]) for i in (2, 3, 5, 6, 7)), reduce
     assert table(output, "| backend | train_step ms |")[0][0] == BACKEND  # the breakdown ran
+    if BACKEND == "torch":  # DDP without Keras, for reference
+        reference = table(output, "| backend | reference without Keras |")
+        assert reference[0][0] == BACKEND and all(is_number(reference[0][i].split(" (")[0]) for i in (2, 3, 4)), reference
 
 
 def test_parameter_server_step_time_smoke():
