@@ -20,8 +20,8 @@ from mw_launch import PROGRAMS, run_together
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
     GLOBAL_BATCH, LOOPS, N, build_embedding_model, build_mixed_model, build_model, build_own_steps_model,
-    build_penalty_model, build_sync_bn_model, build_two_output_model, data, embedding_run, keras_run, reshuffled_run,
-    seeded_shuffle_run, stopped_run, two_output_run, uneven_run,
+    build_penalty_model, build_sync_bn_model, build_two_output_model, data, embedding_run, evaluate_first_run, keras_run,
+    reshuffled_run, seeded_shuffle_run, stopped_run, two_output_run, uneven_run,
 )
 from reference_loops import average_loss, split, squared_error, train  # noqa: E402
 
@@ -112,6 +112,15 @@ def _check_stopped_run(out, results, name, build):
     expected = _assert_equal_to_one_process(out, results, name, build, stopped_run, ("loss", "evaluate", "predict"))
     assert expected["epochs"] == 1 and len(expected["predict"]) == GLOBAL_BATCH
     assert [int(worker[f"{name}_epochs"]) for worker in results] == [1, 1]
+
+
+def test_fit_after_evaluate_on_a_new_model_equals_a_single_process_run(run):
+    # Evaluate's steps have already agreed how the workers exchange their rows, so the first
+    # train step of the model is not the first step of all (on TensorFlow it runs with its
+    # exchange inside the compiled step at once).
+    out, _, results = run
+    _assert_equal_to_one_process(out, results, "evaluated_first", build_model, evaluate_first_run,
+                                 ("evaluate_first", "loss"))
 
 
 @pytest.mark.parametrize("run", [2], indirect=True, ids=["2x2"])  # the workers run it on 2 x 2 only

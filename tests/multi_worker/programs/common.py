@@ -159,6 +159,16 @@ def keras_run(model, x, y):
     }
 
 
+def evaluate_first_run(model, x, y):
+    """`evaluate` on a model never trained, then one epoch of `fit`: the first train step comes
+    after steps that have already agreed how the workers exchange their rows."""
+    return {
+        "evaluate_first": model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+        "loss": model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0).history["loss"],
+        "weights": model.get_weights(),
+    }
+
+
 def dropout_counts(strategy):
     """One `train_on_batch` of a Dropout model on a row of ones per replica, in `strategy`.
 

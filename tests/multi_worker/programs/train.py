@@ -24,8 +24,8 @@ from keras import ops  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     GLOBAL_BATCH, LOOPS, build_embedding_model, build_mixed_model, build_model, build_own_steps_model,
-    build_penalty_model, build_sync_bn_model, build_two_output_model, data, dropout_counts, embedding_run, global_batch_sizes,
-    guide_loop, keras_run, reshuffled_run, seeded_shuffle_run, stopped_run, two_output_run, uneven_run,
+    build_penalty_model, build_sync_bn_model, build_two_output_model, data, dropout_counts, embedding_run,
+    evaluate_first_run, global_batch_sizes, guide_loop, keras_run, reshuffled_run, seeded_shuffle_run, stopped_run, two_output_run, uneven_run,
 )  # noqa: E402
 
 out = sys.argv[1]
@@ -49,6 +49,7 @@ def run_keras(name, build, run=keras_run, in_strategy=strategy):
 
 # Keras fit / evaluate / predict on NumPy arrays (the last global batch is partial).
 model = run_keras("fit", build_model)
+run_keras("evaluated_first", build_model, evaluate_first_run)
 
 
 def run_loop(name):
