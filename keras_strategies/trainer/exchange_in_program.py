@@ -102,12 +102,12 @@ class ExchangeInProgram:
             step.model.non_trainable_variables, [aux[2] for aux in auxes], step.host
         )
         payload.append(np.array(float(len(plan[0])), "float32"))  # replicas with rows on this worker
-        summed = self._exchange(check, grads, loss, [aux[1] for aux in auxes], targets, payload, plan)
+        summed = self._exchange("train", check, grads, loss, [aux[1] for aux in auxes], targets, payload, plan)
 
         def update_and_measure() -> dict:
             variables = step.model.non_trainable_variables
             logs = step._apply_and_measure(summed["grads"], summed["loss"], summed["predictions"],
-                                          step._batch_tensors(summed["batch"](batch)))
+                                          step._batch_tensors((*batch, *summed["targets"])))
             *totals, count = summed["payload"]
             cross_worker.assign_non_trainable(variables, cross_worker.non_trainable_kinds(variables), totals, count)
             return logs
@@ -119,17 +119,19 @@ class ExchangeInProgram:
         step = self._step
         auxes = step._test(step._state(), per_replica)
         loss = step._on_host(auxes[0][0])  # the loss summed in the replica program
-        summed = self._exchange(check, [], loss, [aux[1] for aux in auxes], targets, [], plan)
+        summed = self._exchange("test", check, [], loss, [aux[1] for aux in auxes], targets, [], plan)
 
         def measure() -> dict:
-            return step._update_metrics(step._batch_tensors(summed["batch"](batch)), summed["loss"], summed["predictions"])
+            return step._update_metrics(step._batch_tensors((*batch, *summed["targets"])), summed["loss"],
+                                        summed["predictions"])
 
         return dict(check=summed["check"], logs=engine.compiler.run_if(summed["go_on"], measure))
 
-    def _exchange(self, check: Any, grads: list, loss: Any, predictions: list, targets: tuple, payload: list,
-                  plan: tuple) -> dict:
-        """One all-reduce of everything the update and the metrics need; `go_on` is False when a
-        worker asked to stop or the workers' batch sizes differ (`cross_worker.may_go_on`)."""
+    def _exchange(self, kind: str, check: Any, grads: list, loss: Any, predictions: list, targets: tuple,
+                  payload: list, plan: tuple) -> dict:
+        """One all-reduce of everything the update and the metrics need: the sums, the global
+        batch's predictions and `(y, sample_weight)`; `go_on` is False when a worker asked to stop
+        or the workers' batch sizes differ (`cross_worker.may_go_on`)."""
         sizes, offset, capacity, batch, dtypes, num_workers = plan
         step = self._step
         local = [tree.map_structure(lambda leaf, size=size: _first_rows(step._on_host(leaf), size), part)
@@ -138,7 +140,7 @@ class ExchangeInProgram:
         flat_predictions = tree.flatten(placed)
         flat_targets = [leaf for leaf in tree.flatten(targets) if leaf is not None]
         values = [check] + list(grads) + [loss] + [_sendable(p) for p in flat_predictions] + flat_targets + payload
-        summed = step.strategy.extended._cross_worker_sum(values, _WHAT["train" if grads else "test"])
+        summed = step.strategy.extended._cross_worker_sum(values, _WHAT[kind])
         parts, start = [], 0
         for length in (1, len(grads), 1, len(flat_predictions), len(flat_targets), len(payload)):
             parts.append(summed[start:start + length])
@@ -147,10 +149,9 @@ class ExchangeInProgram:
         received = [_first_rows(_received(p, original), batch) for p, original in zip(received, flat_predictions)]
         typed = iter(_first_rows(ops.cast(ops.round(t), dtype) if dtype != "float32" else t, batch)
                      for t, dtype in zip(summed_targets, [d for d in dtypes if d is not None]))
-        y, sample_weight = tree.pack_sequence_as(targets, [None if d is None else next(typed) for d in dtypes])
         return dict(check=total_check, go_on=cross_worker.may_go_on(total_check, num_workers), grads=list(grads),
                     loss=loss, predictions=tree.pack_sequence_as(placed, received), payload=list(payload),
-                    batch=lambda rows_and_x: tuple(rows_and_x) + (y, sample_weight))
+                    targets=tree.pack_sequence_as(targets, [None if d is None else next(typed) for d in dtypes]))
 
 
 def _travel_as_float32(shards: Any) -> bool:
