@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from keras.src import tree
 
 _state = threading.local()  # `active`: this thread runs a vectorised program (vmap runs in the caller's thread)
@@ -122,8 +123,11 @@ class Vectorized:
             for index, leaf in zip(arguments, leaves):
                 flat[index] = leaf
             outputs = self._fn(replica_id, *shared, *tree.pack_sequence_as(template, flat))
-            found = tree.flatten(outputs)
-            traced.update(structure=outputs, leaves=[_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in found])
+            # PyTorch's own tree functions: Keras' leave reference cycles that hold the structure they
+            # were given, which would keep the vectorised outputs (and their memory) until the
+            # cycle collector ran; only the outputs' structure is kept, not the outputs.
+            found, structure = pytree.tree_flatten(outputs)
+            traced.update(structure=structure, leaves=[_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in found])
             return tuple(leaf for leaf in found if isinstance(leaf, torch.Tensor))
 
         _state.active = True
@@ -136,5 +140,5 @@ class Vectorized:
         for i in range(self._size):
             tensors = iter([leaf[i] for leaf in per_replica])
             flat = [next(tensors) if leaf is _TENSOR else leaf for leaf in traced["leaves"]]
-            outputs.append(tree.pack_sequence_as(traced["structure"], flat))
+            outputs.append(pytree.tree_unflatten(flat, traced["structure"]))
         return outputs

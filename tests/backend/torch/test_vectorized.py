@@ -5,6 +5,7 @@ and replica threads where it cannot; both must equal one device, and the
 vectorised path must really be taken where it is meant to.
 """
 
+import gc
 import os
 import sys
 
@@ -136,3 +137,33 @@ def test_evaluate_and_predict_run_vectorised(replicas):
     steps = model._ks_replica_step
     for runner in (steps.test_step.__self__._test, steps.predict_step.__self__._predict):
         assert runner.fallback_reason is None
+
+
+def test_a_vectorised_step_leaves_no_garbage_that_holds_its_memory():
+    # Without the cycle collector, a step's leftovers stay until the end: the replicas' outputs
+    # once stayed referenced from reference cycles (Keras' tree functions on PyTorch make them),
+    # and with them about 11 MiB a step of this CNN, which the collector only freed now and then.
+    x, y = np.random.default_rng(0).normal(size=(64, 28, 28, 1)).astype("float32"), np.arange(64) % 10
+    with ks.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2", "cpu:3"]).scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(), keras.layers.Dense(10),
+        ])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    assert _train_runner(model).fallback_reason is None  # vectorised
+
+    def resident_mib():
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = resident_mib()
+        model.fit(x, y, batch_size=64, epochs=30, verbose=0)
+        grown = resident_mib() - before
+    finally:
+        gc.enable()
+    assert grown < 100, f"{grown:.0f} MiB more after 30 steps"
