@@ -98,7 +98,16 @@ def _wrap_init(original: Callable) -> Callable:
 def _wrap_load_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def _load_model(self):
+        # Variables made while Keras reads a backup are the reader's own (a throwaway optimizer
+        # whose state it loads into the model's): they are left out of the check that every
+        # worker created the same variables. A worker may restore a backup that others lack (it
+        # saved an epoch the chief did not reach); the chief's state is broadcast after it.
+        extended = getattr(strategy_of(self.model), "extended", None)
+        unsynced = getattr(extended, "_unsynced", None)
+        before = len(unsynced) if unsynced is not None else 0
         original(self)
+        if unsynced is not None and extended._unsynced is unsynced:
+            del unsynced[before:]
         if strategy_of(self.model) is not None and file_utils.exists(self._training_metadata_path):
             with open(self._training_metadata_path) as file:
                 self.model._ks_initial_batch = int(json.load(file).get(_TRAINED_BATCHES, 0))

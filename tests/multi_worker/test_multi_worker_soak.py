@@ -52,6 +52,13 @@ def test_a_worker_lost_right_after_an_epochs_last_step_leaves_a_whole_backup(tmp
     _soak(tmp_path, {"0": [1, 1, STEPS - 1]}, "kill after the last step of epoch 2")
 
 
+def test_the_chief_lost_right_after_the_first_epochs_last_step_leaves_workers_that_agree(tmp_path):
+    # The other worker still ends the epoch and backs up what the chief never saved. At the
+    # restart it restores that backup and the chief has none: the workers must still agree on
+    # their variables, and all resume from the chief's state (the beginning).
+    _soak(tmp_path, {"0": [0, 0, STEPS - 1]}, "kill the chief after the last step of epoch 1")
+
+
 def _soak(tmp_path, plan, what):
     kills = len(plan)
     started = time.monotonic()
