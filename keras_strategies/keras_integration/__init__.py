@@ -22,6 +22,7 @@ original as `_ks_original`.
 | `losses.loss.reduce_values`, `reduce_weighted_values` | `loss_reduction` | every loss reduction sums over replicas to the global batch's loss, padding rows excluded |
 | `metrics.reduction_metrics.Mean.update_state` | `metric_weighting` | a scalar update in a model's own step counts with the replica's share of the batch |
 | `saving.saving_api.save_model`, `save_weights` (and the public names bound to them) | `chief_only` | only the chief's file is kept under `MultiWorkerMirroredStrategy` |
+| `utils.file_utils.makedirs` | `chief_only` | once a multi-worker cluster is joined, a directory another worker created between Keras' check and its creation is accepted |
 | `callbacks.backup_and_restore.BackupAndRestore._save_model` | `backup_and_restore` | a backup is whole or absent: a worker stopped while saving never leaves weights beside the previous epoch's number |
 | `callbacks.backup_and_restore.BackupAndRestore.__init__`, `_load_model`, `on_train_begin`, `on_epoch_begin`, `on_train_batch_end`, `on_train_end` | `backup_and_restore` | tf.keras' `save_before_preemption=True`: on SIGTERM every worker backs up at the same step and exits; `fit` resumes after the batches trained |
 | `random.seed_generator.SeedGenerator.next` | `replica_seeds` | replicas draw different random numbers, as rows do on one device |
@@ -74,6 +75,7 @@ REPLACED = (
     ("keras.src.metrics.reduction_metrics.Mean.update_state", "metric_weighting"),
     ("keras.src.saving.saving_api.save_model", "chief_only"),
     ("keras.src.saving.saving_api.save_weights", "chief_only"),
+    ("keras.src.utils.file_utils.makedirs", "chief_only"),
     *((f"keras.src.callbacks.backup_and_restore.BackupAndRestore.{name}", "backup_and_restore")
       for name in backup_and_restore.REPLACED_METHODS),
     ("keras.src.random.seed_generator.SeedGenerator.next", "replica_seeds"),

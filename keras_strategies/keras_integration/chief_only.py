@@ -31,7 +31,7 @@ import keras
 import numpy as np
 from keras.src.callbacks import BackupAndRestore, CSVLogger, ModelCheckpoint, TensorBoard
 from keras.src.saving import saving_api
-from keras.src.utils import io_utils
+from keras.src.utils import file_utils, io_utils
 
 
 def worker_temp_path(path: str, task_id: Any) -> str:
@@ -156,30 +156,33 @@ def _wrap_save(original: Callable) -> Callable:
     return save
 
 
+_concurrent_workers = False  # set once this process has joined a multi-worker cluster
+
+
 def tolerate_concurrent_makedirs() -> None:
     """Makes Keras' `file_utils.makedirs` accept a directory another worker just created.
 
     Keras checks `exists(dir)` and then creates it; a non-chief creating
     `dir/workertemp_<id>` in between made the chief's `ModelCheckpoint` fail
-    with `FileExistsError`. Installed only when a multi-worker cluster is joined.
+    with `FileExistsError`. Called when a multi-worker cluster is joined; until
+    then the replacement installed by `install()` is Keras' own behaviour.
     """
-    from keras.src.utils import file_utils
+    global _concurrent_workers
+    _concurrent_workers = True
 
-    original = file_utils.makedirs
-    if hasattr(original, "_ks_original"):
-        return
 
+def _wrap_makedirs(original: Callable) -> Callable:
     @functools.wraps(original)
     def makedirs(path):
         try:
             return original(path)
         except FileExistsError:
-            if os.path.isdir(path):
+            if _concurrent_workers and os.path.isdir(path):
                 return None
             raise
 
     makedirs._ks_original = original
-    file_utils.makedirs = makedirs
+    return makedirs
 
 
 _PUBLIC_SAVING_MODULES = ("keras.saving", "keras.models", "keras._tf_keras.keras.saving", "keras._tf_keras.keras.models")
@@ -201,3 +204,5 @@ def install() -> None:
             module = sys.modules.get(module_name)
             if module is not None and getattr(module, name, None) is original:
                 setattr(module, name, getattr(saving_api, name))
+    if not hasattr(file_utils.makedirs, "_ks_original"):
+        file_utils.makedirs = _wrap_makedirs(file_utils.makedirs)
