@@ -99,13 +99,16 @@ def test_parameter_server_step_time_smoke():
     assert rows[1][6].startswith(">= 0.80"), rows[1]
 
 
-def test_virtual_device_floor_smoke():
-    output = run_smoke("virtual_device_floor.py")
+def test_virtual_device_cost_smoke():
+    output = run_smoke("virtual_device_cost.py")
     if BACKEND == "torch":  # no virtual devices: the script says why there is nothing to measure
         assert "torch: no virtual devices" in output and "| backend |" not in output, output
         return
-    rows = table(output, "| backend | devices | bare step ms |")
-    assert [row[:2] for row in rows] == [[BACKEND, "2"]], rows
-    assert all(is_number(cell) for cell in rows[0][2:5]), rows
-    several, one = rows[0][5].split(", ")
-    assert several == one, rows  # the same first loss: the steps compute the same thing
+    rows = table(output, "| backend | devices | gradients summed by |")
+    sums = {"jax": ["psum (a tuple all-reduce)", "one buffer, one psum"],
+            "tensorflow": ["ReductionToOneDevice"]}[BACKEND]
+    assert [row[:3] for row in rows] == [[BACKEND, "2", how] for how in sums], rows
+    for row in rows:
+        assert all(is_number(cell) for cell in row[3:6]), rows
+        several, one = row[6].split(", ")
+        assert several == one, rows  # the same first loss: the steps compute the same thing

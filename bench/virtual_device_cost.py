@@ -1,24 +1,27 @@
-"""What N virtual CPU devices cost the backend itself: a bare data-parallel step, no Keras.
+"""What N virtual CPU devices cost the backend's own data-parallel step: a bare step, no Keras.
 
 `bench/mirrored_step_time.py` sets `ks.MirroredStrategy` on N virtual devices
 against plain Keras on one device. On this kind of machine the N devices share
-the same cores, so that ratio has a floor that no library on top can go under:
-the backend's own data-parallel step on N devices against its own step on one.
-This script measures that floor with the same model, batch and optimizer
-arithmetic as the MLP of `mirrored_step_time.py` (64 features -> 3 x Dense(256,
-relu) -> Dense(10), sparse cross-entropy from logits, global batch 256, Adam
-1e-3), written with the backend's own operations only:
+the same cores, so part of that ratio belongs to the backend, not to any library
+on top: the cost of its own data-parallel step on N devices against its own
+step on one. This script measures that cost with the same model, batch and
+optimizer arithmetic as the MLP of `mirrored_step_time.py` (64 features -> 3 x
+Dense(256, relu) -> Dense(10), sparse cross-entropy from logits, global batch
+256, Adam 1e-3), written with the backend's own operations only:
 
 - JAX: one `jax.jit` step on one device; on N devices a `shard_map` over a mesh
-  of the N host-platform devices (each device its rows, `psum` of the
-  gradients, the update on every device), the shape of `ks`'s and of
-  `keras.distribution.DataParallel`'s compiled step.
+  of the N host-platform devices (each device its rows, a sum of the gradients,
+  the update on every device), the shape of `ks`'s and of
+  `keras.distribution.DataParallel`'s compiled step. Two sums: `psum` of the
+  gradients (one tuple all-reduce, as `DataParallel`'s program has), and the
+  gradients packed into one buffer and summed by one `psum` (as `ks` does on
+  CPU devices: XLA's CPU runtime sums a tuple's operands one at a time).
 - TensorFlow: one `tf.function` step on one device; on N devices a
   `tf.distribute.MirroredStrategy` over N logical CPU devices (`strategy.run`,
   an all-reduce of the gradients with `ReductionToOneDevice`, the update of the
   mirrored variables), the mechanism `ks` uses for CPU devices on TensorFlow.
 - PyTorch has no virtual devices: `ks` runs its replicas on the one CPU device
-  as one vectorised program, so plain Keras on one device is already its floor.
+  as one vectorised program, so plain Keras on one device is what it is set against.
 
 Each step sends the batch from NumPy and reads the loss as a Python float, as a
 `fit` step with a callback does. Each device count N runs in a process of its
@@ -30,9 +33,9 @@ the median of the per-round ratios N devices / 1 device, and the first step's
 loss of both (the same: the steps compute the same thing).
 
 Usage:
-    python bench/virtual_device_floor.py                  # jax and tensorflow, 2 and 4 devices against 1
-    python bench/virtual_device_floor.py --backends jax --rounds 9
-    python bench/virtual_device_floor.py --smoke          # tiny sizes (the test suite's run)
+    python bench/virtual_device_cost.py                  # jax and tensorflow, 2 and 4 devices against 1
+    python bench/virtual_device_cost.py --backends jax --rounds 9
+    python bench/virtual_device_cost.py --smoke          # tiny sizes (the test suite's run)
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ MEASURED = ("jax", "tensorflow")
 BACKENDS = MEASURED + ("torch",)
 FEATURES, HIDDEN, CLASSES, BATCH = 64, 256, 10, 256
 NO_VIRTUAL_DEVICES = ("torch: no virtual devices; ks runs the replicas on the one CPU device as one "
-                      "vectorised program, so plain Keras on one device is its floor.")
+                      "vectorised program, so plain Keras on one device is what it is set against.")
 
 
 def _sizes():
@@ -113,7 +116,17 @@ def _jax_steps(device_counts):
         p = jax.tree.map(lambda p, m, v: p - 1e-3 * scale * m / (jnp.sqrt(v) + 1e-7), p, m, v)
         return p, m, v, t
 
-    def make(n):
+    def psum(tree):
+        return jax.lax.psum(tree, "replicas")
+
+    def packed(tree):
+        """The leaves as one buffer, one `psum` (as `ks` sums them on CPU devices)."""
+        leaves, structure = jax.tree.flatten(tree)
+        flat = jax.lax.psum(jnp.concatenate([jnp.ravel(leaf) for leaf in leaves]), "replicas")
+        pieces = jnp.split(flat, np.cumsum([leaf.size for leaf in leaves])[:-1])
+        return jax.tree.unflatten(structure, [piece.reshape(leaf.shape) for piece, leaf in zip(pieces, leaves)])
+
+    def make(n, summed=psum):
         devices = jax.devices()[:n]
         if n == 1:
             def body(p, m, v, t, xs, ys):
@@ -125,7 +138,7 @@ def _jax_steps(device_counts):
 
             def replica(p, m, v, t, xs, ys):
                 loss, g = jax.value_and_grad(summed_loss)(p, xs, ys)
-                g, loss = jax.lax.psum((g, loss), "replicas")
+                g, loss = summed((g, loss))
                 return (*update(p, m, v, t, jax.tree.map(lambda g: g / BATCH, g)), loss / BATCH)
 
             spec = (P(),) * 4
@@ -142,7 +155,9 @@ def _jax_steps(device_counts):
 
         return step
 
-    return {n: make(n) for n in device_counts}
+    several = max(device_counts)
+    return {"1 device": make(1), "psum (a tuple all-reduce)": make(several),
+            "one buffer, one psum": make(several, packed)}
 
 
 # ---------------------------------------------------------------------------
@@ -212,7 +227,7 @@ def _tf_steps(device_counts):
 
         return step
 
-    return {n: make(n) for n in device_counts}
+    return {"1 device": make(1), "ReductionToOneDevice": make(max(device_counts))}
 
 
 # ---------------------------------------------------------------------------
@@ -237,17 +252,17 @@ def _configure(backend: str, devices: int, threads: int) -> None:
 
 
 def run_worker(args) -> None:
-    counts = sorted({1, int(args.devices)})
-    _configure(args.backend, max(counts), args.threads)
-    steps = (_jax_steps if args.backend == "jax" else _tf_steps)(counts)
-    first_loss = {str(n): steps[n]() for n in counts}  # the same numbers on every count: the same step
-    times = {n: [] for n in counts}
+    devices = int(args.devices)
+    _configure(args.backend, devices, args.threads)
+    steps = (_jax_steps if args.backend == "jax" else _tf_steps)([1, devices])
+    first_loss = {label: step() for label, step in steps.items()}  # the same: the steps compute the same thing
+    times: dict = {label: [] for label in steps}
+    labels = list(steps)
     for r in range(args.rounds):
-        for n in (counts if r % 2 == 0 else counts[::-1]):
-            times[n].append(_timed(steps[n], args.steps))
-    print(RESULT_PREFIX + json.dumps({"backend": args.backend, "first_loss": first_loss,
-                                         "ms": {str(n): t for n, t in times.items()}}),
-          flush=True)
+        for label in (labels if r % 2 == 0 else labels[::-1]):
+            times[label].append(_timed(steps[label], args.steps))
+    print(RESULT_PREFIX + json.dumps({"backend": args.backend, "devices": devices, "first_loss": first_loss,
+                                         "ms": times}), flush=True)
 
 
 def _spawn(args, backend: str, devices: int) -> dict:
@@ -268,13 +283,17 @@ def _spread(values: list) -> str:
 
 
 def table(results: list) -> str:
-    lines = ["| backend | devices | bare step ms | bare step on 1 device, same process | ratio | first loss (N, 1) |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| backend | devices | gradients summed by | bare step ms | bare step on 1 device, same process "
+             "| ratio | first loss (N, 1) |", "|---|---:|---|---:|---:|---:|---|"]
     for result in results:
-        (one, one_ms), (n, n_ms) = sorted(result["ms"].items(), key=lambda item: int(item[0]))
-        ratio = _spread([a / b for a, b in zip(n_ms, one_ms)])
-        losses = f"{result['first_loss'][n]:.6f}, {result['first_loss'][one]:.6f}"
-        lines.append(f"| {result['backend']} | {n} | {_spread(n_ms)} | {_spread(one_ms)} | {ratio} | {losses} |")
+        one = result["ms"]["1 device"]
+        for label, times in result["ms"].items():
+            if label == "1 device":
+                continue
+            ratio = _spread([a / b for a, b in zip(times, one)])
+            losses = f"{result['first_loss'][label]:.6f}, {result['first_loss']['1 device']:.6f}"
+            lines.append(f"| {result['backend']} | {result['devices']} | {label} | {_spread(times)} | {_spread(one)} "
+                         f"| {ratio} | {losses} |")
     return "\n".join(lines)
 
 
