@@ -169,6 +169,22 @@ def _packable(value: Any) -> bool:
             and value.size > 0)
 
 
+def _gathered(value: Any, replica_id: Any, count: int) -> Any:
+    """Every replica's `value`, stacked along a new first axis (inside a replica program).
+
+    On CPU devices as a sum of blocks, each replica's own in zeros: XLA
+    schedules a collective as early as its inputs allow, and an all-gather of
+    a step's predictions came between the forward and the backward pass, where
+    the devices, which share the cores, waited for the slowest once more. A sum
+    joins the step's other sums at its end (XLA combines them). Adding zeros
+    changes no value.
+    """
+    if jax.devices()[0].platform != "cpu" or not jnp.issubdtype(value.dtype, jnp.number):
+        return jax.lax.all_gather(value, AXIS)
+    blocks = jnp.zeros((count,) + tuple(value.shape), value.dtype)
+    return jax.lax.psum(jax.lax.dynamic_update_index_in_dim(blocks, value, replica_id, 0), AXIS)
+
+
 def all_reduce_sum(value: Any) -> Any:
     """Sum of `value` over the replicas: `psum` in a compiled program, an exchange between
     eager replica threads otherwise; differentiable in both."""
@@ -353,16 +369,17 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         the replica sum left the same on every device (`_program_sums`)."""
         own = tree.map_structure(lambda leaf: None if leaf is None else leaf[0], stacked)
         _in_replica_program.update(active=True, devices=count, shared=set())
+        replica_id = jax.lax.axis_index(AXIS)
         try:
-            outputs = fn(jax.lax.axis_index(AXIS), *shared, *own)
+            outputs = fn(replica_id, *shared, *own)
         finally:
             _in_replica_program["active"] = False
             shared_ids = _in_replica_program.pop("shared")
-        return outputs, shared_ids
+        return outputs, shared_ids, replica_id
 
     def body(layout, treedef, buffers, stacked):
         shared = jax.tree_util.tree_unflatten(treedef, shared_state.unpack(buffers, layout))
-        outputs, _ = run_own_replica(shared, stacked)
+        outputs, _, _ = run_own_replica(shared, stacked)
         leaves = tree.flatten(outputs)
         scalars = [leaf is not None and jnp.ndim(leaf) == 0 for leaf in leaves]
         blocks = [jnp.expand_dims(leaf, 0) if scalar else leaf for leaf, scalar in zip(leaves, scalars)]
@@ -388,14 +405,14 @@ def make_replicated(fn: Callable, devices: Sequence[str], compiled: bool, variab
         # Inside a step compiled as a whole (`compiler.compile_replicated_step`), which runs on
         # each device of the mesh: this device's replica runs inline, and each output is given to
         # every replica's entry as the replica sum left it (the same on every device) or gathered.
-        outputs, shared_ids = run_own_replica(shared, shards.stacked)
+        outputs, shared_ids, replica_id = run_own_replica(shared, shards.stacked)
         per_replica: list = [[] for _ in devices]
         for leaf in tree.flatten(outputs):
             if not isinstance(leaf, (jax.Array, jax.core.Tracer)) or id(leaf) in shared_ids:
                 copies = [leaf] * count
             else:
-                gathered = jax.lax.all_gather(leaf, AXIS)
-                copies = [gathered[i] for i in range(count)]
+                everyone = _gathered(leaf, replica_id, count)
+                copies = [everyone[i] for i in range(count)]
             for values, copy in zip(per_replica, copies):
                 values.append(copy)
         return [tree.pack_sequence_as(outputs, values) for values in per_replica]

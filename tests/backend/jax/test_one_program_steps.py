@@ -169,3 +169,28 @@ def test_every_compiled_step_is_dispatched_one_at_a_time_on_cpu_devices(monkeypa
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(x, y))
     assert dispatched["programs"] == 12  # 3 train and 3 test steps an epoch
 
+
+
+def test_on_cpu_devices_a_train_step_meets_once_after_the_backward_pass(monkeypatch):
+    # XLA's CPU runtime sums a tuple all-reduce's operands one at a time, and schedules a
+    # collective as early as its inputs allow: the gradients travel as one buffer, and the
+    # predictions (for metrics on the global batch) as a sum of blocks, which XLA joins to the
+    # gradients' sum at the end of the step instead of gathering them between the passes.
+    x, y = _data(rows=32)
+    with ks.MirroredStrategy(DEVICES).scope():
+        model = _model()
+    programs = []
+
+    def keep(mesh, program, *args):
+        programs.append((program, args))
+        return program(*args)
+
+    monkeypatch.setattr(replicas, "dispatch", keep)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    program, args = programs[0]
+    hlo = program.lower(*args).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    collectives = [line for line in entry.splitlines()
+                   if any(f" {op}(" in line for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"))]
+    assert len(collectives) == 1 and " all-reduce(" in collectives[0], collectives
+    assert "f32[4,2,1]" in collectives[0] and "f32[50]" in collectives[0], collectives  # predictions; 49 gradients + loss
