@@ -112,3 +112,15 @@ def test_virtual_device_cost_smoke():
         assert all(is_number(cell) for cell in row[3:6]), rows
         several, one = row[6].split(", ")
         assert several == one, rows  # the same first loss: the steps compute the same thing
+
+
+def test_same_process_step_time_smoke():
+    output = run_smoke("same_process_step_time.py")
+    rows = table(output, "| backend | model | devices | ours ms/step |")
+    assert [row[:3] for row in rows] == [[BACKEND, "mlp", "2"]], rows
+    row = rows[0]
+    assert is_number(row[3]) and is_number(row[6]) and is_number(row[8]), rows  # ours, plain, ours / plain
+    if BACKEND == "torch":  # no native peer
+        assert row[4] == "none" and row[5] == row[7] == "—", rows
+    else:
+        assert is_number(row[5]) and is_number(row[7]), rows

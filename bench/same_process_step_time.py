@@ -1,0 +1,192 @@
+"""Step time of `ks.MirroredStrategy` beside the native peer and plain Keras, in one process.
+
+`bench/mirrored_step_time.py` gives each measurement a process of its own, so
+that its baselines run unmodified Keras. Processes differ, though (thread
+placement, memory layout), and on a small shared machine a few percent between
+two processes is noise that back-to-back pairs do not remove. This script puts
+the three side by side in one process instead, with epochs that alternate:
+
+- ours: `ks.MirroredStrategy()` over the process's N virtual CPU devices;
+- the native peer on the same devices: TensorFlow's `tf.distribute.MirroredStrategy`
+  (the model built in its scope), JAX's `keras.distribution.DataParallel` (the
+  model built and trained in its `scope()`); PyTorch has none;
+- plain Keras: the same model outside any strategy, on one device.
+
+The models are the MLP and the CNN of `mirrored_step_time.py`, with its data,
+optimizer, loss and metric, built from the same seed (so the three end their first
+epoch with the same loss to four decimals, printed as a check; rounding
+differences grow from epoch to epoch after that). After one warm-up epoch each,
+every round trains one epoch of each model, in an order that rotates from round
+to round; a callback times each step, and a round's value is the median step.
+The table shows the median over rounds with its range, and the medians of the
+round-by-round ratios.
+
+Caveat: `keras_strategies` is imported in this process, so its Keras hooks are
+installed for the native and plain models too; they leave a model outside a
+strategy as Keras' own, at the cost of a check per call.
+
+Usage:
+    python bench/same_process_step_time.py                      # every backend, 4 devices, MLP and CNN
+    python bench/same_process_step_time.py --backends jax --models cnn --rounds 12
+    python bench/same_process_step_time.py --smoke               # tiny sizes (the test suite's run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import mirrored_step_time as single
+
+RESULT_PREFIX = "SAME-PROCESS-RESULT "
+NATIVE = {"tensorflow": "tf.distribute.MirroredStrategy", "jax": "keras.distribution.DataParallel", "torch": None}
+
+
+def _models(keras, backend: str, devices: int) -> dict:
+    """name -> (compiled model, context manager factory to train it in)."""
+    import contextlib
+
+    import keras_strategies as ks
+
+    def built(scope=contextlib.nullcontext):
+        keras.utils.set_random_seed(0)
+        with scope():
+            return single._build_model(keras)
+
+    strategy = ks.MirroredStrategy()
+    models = {"ours": (built(strategy.scope), contextlib.nullcontext)}
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        native = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
+        models["native"] = (built(native.scope), contextlib.nullcontext)
+    elif backend == "jax":
+        import jax
+
+        native = keras.distribution.DataParallel(devices=jax.devices("cpu")[:devices])
+        models["native"] = (built(native.scope), native.scope)
+    models["plain"] = (built(), contextlib.nullcontext)
+    return models
+
+
+def run_worker(args) -> None:
+    os.environ["KERAS_STRATEGIES_CPU_DEVICES"] = str(args.devices)
+    single._limit_threads(args.backend, 1)
+
+    import keras
+
+    single.MODEL["name"] = args.model
+    x, y = single._make_data(args.steps)
+    batch = single.global_batch()
+    models = _models(keras, args.backend, args.devices)
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self.start = [], 0.0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):  # defined: Keras calls it with the logs as floats
+            self.times.append(time.perf_counter() - self.start)
+
+    def epoch(name: str) -> tuple:
+        model, scope = models[name]
+        timer = StepTimer()
+        with scope():
+            history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+        return statistics.median(timer.times) * 1e3, history.history["loss"][-1]
+
+    names = list(models)
+    losses = {name: [epoch(name)[1]] for name in names}  # the warm-up epoch: tracing and compilation
+    ms: dict = {name: [] for name in names}
+    for r in range(args.rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            step, loss = epoch(name)
+            ms[name].append(step)
+            losses[name].append(loss)
+    print(RESULT_PREFIX + json.dumps({"backend": args.backend, "model": args.model, "devices": args.devices,
+                                         "ms": ms, "losses": losses}), flush=True)
+
+
+def _spawn(args, backend: str, model: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend, "--model", model,
+           "--devices", str(args.devices), "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    tail = "\n".join((proc.stderr or "").strip().splitlines()[-15:])
+    raise SystemExit(f"the {backend} {model} worker exited {proc.returncode} without a result:\n{tail}")
+
+
+def _spread(values: list) -> str:
+    middle = f"{statistics.median(values):.2f}"
+    return f"{middle} ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else middle
+
+
+def _ratio(result: dict, a: str, b: str) -> str:
+    if a not in result["ms"] or b not in result["ms"]:
+        return "—"
+    return _spread([x / y for x, y in zip(result["ms"][a], result["ms"][b])])
+
+
+def table(results: list) -> str:
+    lines = ["| backend | model | devices | ours ms/step | native peer | native ms/step | plain Keras, 1 device, "
+             "ms/step | ours / native | ours / plain | same first-epoch loss |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    for result in results:
+        ms, backend = result["ms"], result["backend"]
+        native = f"{_spread(ms['native'])}" if "native" in ms else "—"
+        first = {name: f"{losses[0]:.4f}" for name, losses in result["losses"].items()}
+        same = "yes" if len(set(first.values())) == 1 else ", ".join(f"{k} {v}" for k, v in first.items())
+        lines.append(f"| {backend} | {result['model']} | {result['devices']} | {_spread(ms['ours'])} "
+                     f"| {NATIVE[backend] or 'none'} | {native} | {_spread(ms['plain'])} "
+                     f"| {_ratio(result, 'ours', 'native')} | {_ratio(result, 'ours', 'plain')} | {same} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true", help="(internal) measure one backend and model here")
+    parser.add_argument("--backend", choices=single.BACKENDS, help="worker: the Keras backend")
+    parser.add_argument("--model", choices=sorted(single.GLOBAL_BATCHES), default="mlp", help="worker: the model")
+    parser.add_argument("--backends", default=",".join(single.BACKENDS), help="comma-separated backends")
+    parser.add_argument("--models", default="mlp,cnn", help="comma-separated models (mlp, cnn)")
+    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (default 4)")
+    parser.add_argument("--steps", type=int, default=50, help="steps per epoch (default 50)")
+    parser.add_argument("--rounds", type=int, default=8, help="measured epochs of each model (default 8)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, every code path (numbers mean nothing)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker")
+    args = parser.parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return 0
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [b for b in backends if b not in single.BACKENDS] + [m for m in models if m not in single.GLOBAL_BATCHES]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) or model(s) {unknown}; backends: {', '.join(single.BACKENDS)}; "
+                         f"models: {', '.join(sorted(single.GLOBAL_BATCHES))}")
+    if args.smoke:
+        args.devices, args.steps, args.rounds, models = 2, 2, 2, models[:1]
+    print(f"One process per backend and model, {args.devices} virtual CPU devices, {args.rounds} rounds of one "
+          f"epoch ({args.steps} steps) per model, one intra-op thread, load {os.getloadavg()[0]:.1f}\n", flush=True)
+    results = [_spawn(args, backend, model) for backend in backends for model in models]
+    print(table(results))
+    if args.smoke:
+        print("\nSMOKE run: tiny sizes, the numbers mean nothing.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
