@@ -37,11 +37,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import mirrored_step_time as single
+from child_runs import result_of, spread
 
 RESULT_PREFIX = "SAME-PROCESS-RESULT "
 NATIVE = {"tensorflow": "tf.distribute.MirroredStrategy", "jax": "keras.distribution.DataParallel", "torch": None}
@@ -121,23 +121,13 @@ def _spawn(args, backend: str, model: str) -> dict:
            "--devices", str(args.devices), "--steps", str(args.steps), "--rounds", str(args.rounds)]
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    tail = "\n".join((proc.stderr or "").strip().splitlines()[-15:])
-    raise SystemExit(f"the {backend} {model} worker exited {proc.returncode} without a result:\n{tail}")
-
-
-def _spread(values: list) -> str:
-    middle = f"{statistics.median(values):.2f}"
-    return f"{middle} ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else middle
+    return result_of(cmd, env, RESULT_PREFIX, args.timeout, f"the {backend} {model} worker")
 
 
 def _ratio(result: dict, a: str, b: str) -> str:
     if a not in result["ms"] or b not in result["ms"]:
         return "—"
-    return _spread([x / y for x, y in zip(result["ms"][a], result["ms"][b])])
+    return spread([x / y for x, y in zip(result["ms"][a], result["ms"][b])])
 
 
 def table(results: list) -> str:
@@ -146,11 +136,11 @@ def table(results: list) -> str:
              "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for result in results:
         ms, backend = result["ms"], result["backend"]
-        native = f"{_spread(ms['native'])}" if "native" in ms else "—"
+        native = f"{spread(ms['native'])}" if "native" in ms else "—"
         first = {name: f"{losses[0]:.4f}" for name, losses in result["losses"].items()}
         same = "yes" if len(set(first.values())) == 1 else ", ".join(f"{k} {v}" for k, v in first.items())
-        lines.append(f"| {backend} | {result['model']} | {result['devices']} | {_spread(ms['ours'])} "
-                     f"| {NATIVE[backend] or 'none'} | {native} | {_spread(ms['plain'])} "
+        lines.append(f"| {backend} | {result['model']} | {result['devices']} | {spread(ms['ours'])} "
+                     f"| {NATIVE[backend] or 'none'} | {native} | {spread(ms['plain'])} "
                      f"| {_ratio(result, 'ours', 'native')} | {_ratio(result, 'ours', 'plain')} | {same} |")
     return "\n".join(lines)
 

@@ -44,11 +44,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-RESULT_PREFIX = "FLOOR-RESULT "
+from child_runs import result_of, spread
+
+RESULT_PREFIX = "COST-RESULT "
 MEASURED = ("jax", "tensorflow")
 BACKENDS = MEASURED + ("torch",)
 FEATURES, HIDDEN, CLASSES, BATCH = 64, 256, 10, 256
@@ -269,17 +270,7 @@ def _spawn(args, backend: str, devices: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend, "--devices", str(devices),
            "--steps", str(args.steps), "--rounds", str(args.rounds), "--threads", str(args.threads)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    tail = "\n".join((proc.stderr or "").strip().splitlines()[-15:])
-    raise SystemExit(f"the {backend} worker on {devices} devices exited {proc.returncode} without a result:\n{tail}")
-
-
-def _spread(values: list) -> str:
-    middle = f"{statistics.median(values):.2f}"
-    return f"{middle} ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else middle
+    return result_of(cmd, env, RESULT_PREFIX, args.timeout, f"the {backend} worker on {devices} devices")
 
 
 def table(results: list) -> str:
@@ -290,9 +281,9 @@ def table(results: list) -> str:
         for label, times in result["ms"].items():
             if label == "1 device":
                 continue
-            ratio = _spread([a / b for a, b in zip(times, one)])
+            ratio = spread([a / b for a, b in zip(times, one)])
             losses = f"{result['first_loss'][label]:.6f}, {result['first_loss']['1 device']:.6f}"
-            lines.append(f"| {result['backend']} | {result['devices']} | {label} | {_spread(times)} | {_spread(one)} "
+            lines.append(f"| {result['backend']} | {result['devices']} | {label} | {spread(times)} | {spread(one)} "
                          f"| {ratio} | {losses} |")
     return "\n".join(lines)
 
