@@ -141,12 +141,12 @@ def _packed_psum(values: list) -> list:
     """
     values = list(values)
     packable = [i for i, v in enumerate(values) if _packable(v)]
-    if len(packable) < 2 or jax.devices()[0].platform != "cpu":
+    if len(packable) < 2 or not _on_xla_cpu():
         return jax.lax.psum(values, AXIS)
     groups: dict = {}
     for i in packable:
         groups.setdefault(values[i].dtype, []).append(i)
-    rest = [i for i in range(len(values)) if i not in set(packable)]
+    rest = sorted(set(range(len(values))) - set(packable))
     packs = [jnp.concatenate([jnp.ravel(values[i]) for i in members]) for members in groups.values()]
     summed_packs, summed_rest = jax.lax.psum((packs, [values[i] for i in rest]), AXIS)
     totals: list = [None] * len(values)
@@ -159,6 +159,11 @@ def _packed_psum(values: list) -> list:
             totals[i] = pack[offset:offset + size].reshape(values[i].shape)
             offset += size
     return totals
+
+
+def _on_xla_cpu() -> bool:
+    """Whether replica programs run on XLA's CPU runtime, which the collectives above work around."""
+    return jax.devices()[0].platform == "cpu"
 
 
 _abstract = getattr(jax, "typeof", None) or jax.core.get_aval  # jax.typeof from JAX 0.4.38
@@ -179,7 +184,7 @@ def _gathered(value: Any, replica_id: Any, count: int) -> Any:
     joins the step's other sums at its end (XLA combines them). Adding zeros
     changes no value.
     """
-    if jax.devices()[0].platform != "cpu" or not jnp.issubdtype(value.dtype, jnp.number):
+    if not _on_xla_cpu() or not jnp.issubdtype(value.dtype, jnp.number):
         return jax.lax.all_gather(value, AXIS)
     blocks = jnp.zeros((count,) + tuple(value.shape), value.dtype)
     return jax.lax.psum(jax.lax.dynamic_update_index_in_dim(blocks, value, replica_id, 0), AXIS)

@@ -170,7 +170,6 @@ def test_every_compiled_step_is_dispatched_one_at_a_time_on_cpu_devices(monkeypa
     assert dispatched["programs"] == 12  # 3 train and 3 test steps an epoch
 
 
-
 def test_on_cpu_devices_a_train_step_meets_once_after_the_backward_pass(monkeypatch):
     # XLA's CPU runtime sums a tuple all-reduce's operands one at a time, and schedules a
     # collective as early as its inputs allow: the gradients travel as one buffer, and the
