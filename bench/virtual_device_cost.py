@@ -48,11 +48,12 @@ import sys
 import time
 
 from child_runs import result_of, spread
+from mirrored_step_time import CLASSES, FEATURES, HIDDEN, _configure_devices, _limit_threads
+from mirrored_step_time import GLOBAL_BATCH as BATCH
 
 RESULT_PREFIX = "COST-RESULT "
 MEASURED = ("jax", "tensorflow")
 BACKENDS = MEASURED + ("torch",)
-FEATURES, HIDDEN, CLASSES, BATCH = 64, 256, 10, 256
 NO_VIRTUAL_DEVICES = ("torch: no virtual devices; ks runs the replicas on the one CPU device as one "
                       "vectorised program, so plain Keras on one device is what it is set against.")
 
@@ -87,7 +88,7 @@ def _timed(step, steps: int) -> float:
 # ---------------------------------------------------------------------------
 # JAX
 # ---------------------------------------------------------------------------
-def _jax_steps(device_counts):
+def _jax_steps(devices: int) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -128,14 +129,14 @@ def _jax_steps(device_counts):
         return jax.tree.unflatten(structure, [piece.reshape(leaf.shape) for piece, leaf in zip(pieces, leaves)])
 
     def make(n, summed=psum):
-        devices = jax.devices()[:n]
+        used = jax.devices()[:n]
         if n == 1:
             def body(p, m, v, t, xs, ys):
                 loss, g = jax.value_and_grad(summed_loss)(p, xs, ys)
                 return (*update(p, m, v, t, jax.tree.map(lambda g: g / BATCH, g)), loss / BATCH)
-            fn, state_at, batch_at = jax.jit(body, donate_argnums=(0, 1, 2)), devices[0], devices[0]
+            fn, state_at, batch_at = jax.jit(body, donate_argnums=(0, 1, 2)), used[0], used[0]
         else:
-            mesh = Mesh(np.array(devices), ("replicas",))
+            mesh = Mesh(np.array(used), ("replicas",))
 
             def replica(p, m, v, t, xs, ys):
                 loss, g = jax.value_and_grad(summed_loss)(p, xs, ys)
@@ -156,15 +157,14 @@ def _jax_steps(device_counts):
 
         return step
 
-    several = max(device_counts)
-    return {"1 device": make(1), "psum (a tuple all-reduce)": make(several),
-            "one buffer, one psum": make(several, packed)}
+    return {"1 device": make(1), "psum (a tuple all-reduce)": make(devices),
+            "one buffer, one psum": make(devices, packed)}
 
 
 # ---------------------------------------------------------------------------
 # TensorFlow
 # ---------------------------------------------------------------------------
-def _tf_steps(device_counts):
+def _tf_steps(devices: int) -> dict:
     import tensorflow as tf
 
     x, y, params = _data()
@@ -228,34 +228,17 @@ def _tf_steps(device_counts):
 
         return step
 
-    return {"1 device": make(1), "ReductionToOneDevice": make(max(device_counts))}
+    return {"1 device": make(1), "ReductionToOneDevice": make(devices)}
 
 
 # ---------------------------------------------------------------------------
 # Worker and parent
 # ---------------------------------------------------------------------------
-def _configure(backend: str, devices: int, threads: int) -> None:
-    """The largest device count's virtual devices and the thread cap, before the backend starts."""
-    if threads > 0:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-    if backend == "jax":
-        flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}"]
-        if threads == 1:
-            flags.append("--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-        os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
-    else:
-        import tensorflow as tf
-
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
-        if threads > 0:
-            tf.config.threading.set_intra_op_parallelism_threads(threads)
-
-
 def run_worker(args) -> None:
     devices = int(args.devices)
-    _configure(args.backend, devices, args.threads)
-    steps = (_jax_steps if args.backend == "jax" else _tf_steps)([1, devices])
+    _limit_threads(args.backend, args.threads)
+    _configure_devices(args.backend, devices, "bare")  # a baseline's devices, set before the backend starts
+    steps = (_jax_steps if args.backend == "jax" else _tf_steps)(devices)
     first_loss = {label: step() for label, step in steps.items()}  # the same: the steps compute the same thing
     times: dict = {label: [] for label in steps}
     labels = list(steps)
