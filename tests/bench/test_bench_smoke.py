@@ -124,3 +124,22 @@ def test_same_process_step_time_smoke():
         assert row[4] == "none" and row[5] == row[7] == "—", rows
     else:
         assert is_number(row[5]) and is_number(row[7]), rows
+
+
+def test_step_profile_smoke():
+    output = run_smoke("step_profile.py")
+    rows = table(output, "| backend | model | configuration |")
+    native = {"jax": ["keras.distribution.DataParallel, 2 devices"],
+              "tensorflow": ["tf.distribute.MirroredStrategy, 2 devices"], "torch": []}[BACKEND]
+    expected = ["ks.MirroredStrategy, 2 devices"] + native + ["plain Keras, 1 device"]
+    assert [row[:3] for row in rows] == [[BACKEND, "mlp", label] for label in expected], rows
+    for row in rows:
+        assert all(is_number(cell) for cell in row[3:8]), rows
+        assert float(row[5]) > 0 and float(row[6]) > 0, rows  # the profiler saw the step's operations
+    ours, plain = rows[0], rows[-1]
+    assert float(plain[7]) == 0, rows  # one device: no collective, no transfer between devices
+    if BACKEND == "torch":  # the replicas run as one vectorised program on one device: nothing to exchange
+        assert float(ours[7]) == 0 and ours[8] == "—", rows
+    else:  # two devices sum their gradients
+        assert float(ours[7]) > 0, rows
+        assert is_number(ours[8]) if BACKEND == "jax" else ours[8] == "—", rows
