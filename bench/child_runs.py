@@ -1,10 +1,18 @@
-"""What the newer bench scripts share: a child process's one result line, and a median with its range."""
+"""What the newer bench scripts share: a child process's one result line, a median with its range,
+and for the scripts that train the models of `mirrored_step_time.py` side by side in one process
+per backend and model, their options, their children and their step timer."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import subprocess
+import sys
+import time
+
+import mirrored_step_time as single
 
 
 def result_of(cmd: list, env: dict, prefix: str, timeout: float, what: str) -> dict:
@@ -21,3 +29,61 @@ def spread(values: list) -> str:
     """`median (min–max)`, or the median alone for one value."""
     middle = f"{statistics.median(values):.2f}"
     return f"{middle} ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else middle
+
+
+def side_by_side_options(description: str, rounds: int, rounds_help: str) -> argparse.ArgumentParser:
+    """The options of a script that trains models side by side in one process per backend and model."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--worker", action="store_true", help="(internal) measure one backend and model here")
+    parser.add_argument("--backend", choices=single.BACKENDS, help="worker: the Keras backend")
+    parser.add_argument("--model", choices=sorted(single.GLOBAL_BATCHES), default="mlp", help="worker: the model")
+    parser.add_argument("--backends", default=",".join(single.BACKENDS), help="comma-separated backends")
+    parser.add_argument("--models", default="mlp,cnn", help="comma-separated models (mlp, cnn)")
+    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (default 4)")
+    parser.add_argument("--steps", type=int, default=50, help="steps per epoch (default 50)")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"{rounds_help} (default {rounds})")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, every code path (numbers mean nothing)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker")
+    return parser
+
+
+def selected(args: argparse.Namespace) -> tuple[list, list]:
+    """`(backends, models)` asked for; SystemExit naming any unknown one."""
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [b for b in backends if b not in single.BACKENDS] + [m for m in models if m not in single.GLOBAL_BATCHES]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) or model(s) {unknown}; backends: {', '.join(single.BACKENDS)}; "
+                         f"models: {', '.join(sorted(single.GLOBAL_BATCHES))}")
+    return backends, models
+
+
+def side_by_side_child(script: str, prefix: str, args: argparse.Namespace, backend: str, model: str) -> dict:
+    """The result of `script --worker` for one backend and model, in a process of its own."""
+    cmd = [sys.executable, os.path.abspath(script), "--worker", "--backend", backend, "--model", model,
+           "--devices", str(args.devices), "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)  # the child sets its own devices
+    return result_of(cmd, env, prefix, args.timeout, f"the {backend} {model} worker")
+
+
+def step_timer(keras):
+    """A Keras callback that records each training step's wall and processor time (seconds).
+
+    It defines `on_train_batch_end`, so Keras calls it with the logs converted
+    to Python floats: the interval covers the whole step, asynchronous work too.
+    """
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.wall, self.cpu, self.start = [], [], (0.0, 0.0)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = (time.perf_counter(), time.process_time())
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.wall.append(time.perf_counter() - self.start[0])
+            self.cpu.append(time.process_time() - self.start[1])
+
+    return StepTimer()

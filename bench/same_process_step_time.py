@@ -33,15 +33,13 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import time
 
 import mirrored_step_time as single
-from child_runs import result_of, spread
+from child_runs import selected, side_by_side_child, side_by_side_options, spread, step_timer
 
 RESULT_PREFIX = "SAME-PROCESS-RESULT "
 NATIVE = {"tensorflow": "tf.distribute.MirroredStrategy", "jax": "keras.distribution.DataParallel", "torch": None}
@@ -85,23 +83,12 @@ def run_worker(args) -> None:
     batch = single.global_batch()
     models = _models(keras, args.backend, args.devices)
 
-    class StepTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.times, self.start = [], 0.0
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):  # defined: Keras calls it with the logs as floats
-            self.times.append(time.perf_counter() - self.start)
-
     def epoch(name: str) -> tuple:
         model, scope = models[name]
-        timer = StepTimer()
+        timer = step_timer(keras)
         with scope():
             history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
-        return statistics.median(timer.times) * 1e3, history.history["loss"][-1]
+        return statistics.median(timer.wall) * 1e3, history.history["loss"][-1]
 
     names = list(models)
     losses = {name: [epoch(name)[1]] for name in names}  # the warm-up epoch: tracing and compilation
@@ -114,14 +101,6 @@ def run_worker(args) -> None:
             losses[name].append(loss)
     print(RESULT_PREFIX + json.dumps({"backend": args.backend, "model": args.model, "devices": args.devices,
                                          "ms": ms, "losses": losses}), flush=True)
-
-
-def _spawn(args, backend: str, model: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend, "--model", model,
-           "--devices", str(args.devices), "--steps", str(args.steps), "--rounds", str(args.rounds)]
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)
-    return result_of(cmd, env, RESULT_PREFIX, args.timeout, f"the {backend} {model} worker")
 
 
 def _ratio(result: dict, a: str, b: str) -> str:
@@ -146,32 +125,18 @@ def table(results: list) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help="(internal) measure one backend and model here")
-    parser.add_argument("--backend", choices=single.BACKENDS, help="worker: the Keras backend")
-    parser.add_argument("--model", choices=sorted(single.GLOBAL_BATCHES), default="mlp", help="worker: the model")
-    parser.add_argument("--backends", default=",".join(single.BACKENDS), help="comma-separated backends")
-    parser.add_argument("--models", default="mlp,cnn", help="comma-separated models (mlp, cnn)")
-    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (default 4)")
-    parser.add_argument("--steps", type=int, default=50, help="steps per epoch (default 50)")
-    parser.add_argument("--rounds", type=int, default=8, help="measured epochs of each model (default 8)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, every code path (numbers mean nothing)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker")
+    parser = side_by_side_options(__doc__.split("\n\n")[0], 8, "measured epochs of each model")
     args = parser.parse_args(argv)
     if args.worker:
         run_worker(args)
         return 0
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [b for b in backends if b not in single.BACKENDS] + [m for m in models if m not in single.GLOBAL_BATCHES]
-    if unknown:
-        raise SystemExit(f"unknown backend(s) or model(s) {unknown}; backends: {', '.join(single.BACKENDS)}; "
-                         f"models: {', '.join(sorted(single.GLOBAL_BATCHES))}")
+    backends, models = selected(args)
     if args.smoke:
         args.devices, args.steps, args.rounds, models = 2, 2, 2, models[:1]
     print(f"One process per backend and model, {args.devices} virtual CPU devices, {args.rounds} rounds of one "
           f"epoch ({args.steps} steps) per model, one intra-op thread, load {os.getloadavg()[0]:.1f}\n", flush=True)
-    results = [_spawn(args, backend, model) for backend in backends for model in models]
+    results = [side_by_side_child(__file__, RESULT_PREFIX, args, backend, model)
+               for backend in backends for model in models]
     print(table(results))
     if args.smoke:
         print("\nSMOKE run: tiny sizes, the numbers mean nothing.")

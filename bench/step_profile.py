@@ -28,7 +28,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import json
@@ -38,11 +37,10 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 import mirrored_step_time as single
 import same_process_step_time as same
-from child_runs import result_of, spread
+from child_runs import selected, side_by_side_child, side_by_side_options, spread, step_timer
 
 RESULT_PREFIX = "STEP-PROFILE-RESULT "
 CONFIGURATIONS = {"ours": "ks.MirroredStrategy", "native": None, "plain": "plain Keras, 1 device"}
@@ -152,18 +150,6 @@ def run_worker(args) -> None:
     batch = single.global_batch()
     models = same._models(keras, args.backend, args.devices)
 
-    class StepTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.wall, self.cpu, self.start = [], [], (0.0, 0.0)
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = (time.perf_counter(), time.process_time())
-
-        def on_train_batch_end(self, batch, logs=None):  # defined: Keras calls it with the logs as floats
-            self.wall.append(time.perf_counter() - self.start[0])
-            self.cpu.append(time.process_time() - self.start[1])
-
     def epoch(name: str, timer=None) -> None:
         model, scope = models[name]
         with scope():
@@ -188,20 +174,12 @@ def run_worker(args) -> None:
     for r in range(args.rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            timer = StepTimer()
+            timer = step_timer(keras)
             epoch(name, timer)
             wall[name].append(statistics.median(timer.wall) * 1e3)
             cpu[name].append(statistics.median(timer.cpu) * 1e3)
     print(RESULT_PREFIX + json.dumps({"backend": args.backend, "model": args.model, "devices": args.devices,
                                          "wall": wall, "cpu": cpu, "profiles": profiles}), flush=True)
-
-
-def _spawn(args, backend: str, model: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend, "--model", model,
-           "--devices", str(args.devices), "--steps", str(args.steps), "--rounds", str(args.rounds)]
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)
-    return result_of(cmd, env, RESULT_PREFIX, args.timeout, f"the {backend} {model} worker")
 
 
 def table(results: list) -> str:
@@ -221,33 +199,19 @@ def table(results: list) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help="(internal) measure one backend and model here")
-    parser.add_argument("--backend", choices=single.BACKENDS, help="worker: the Keras backend")
-    parser.add_argument("--model", choices=sorted(single.GLOBAL_BATCHES), default="mlp", help="worker: the model")
-    parser.add_argument("--backends", default=",".join(single.BACKENDS), help="comma-separated backends")
-    parser.add_argument("--models", default="mlp,cnn", help="comma-separated models (mlp, cnn)")
-    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices (default 4)")
-    parser.add_argument("--steps", type=int, default=50, help="steps per epoch (default 50)")
-    parser.add_argument("--rounds", type=int, default=3, help="unprofiled epochs of each model (default 3)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, every code path (numbers mean nothing)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker")
+    parser = side_by_side_options(__doc__.split("\n\n")[0], 3, "unprofiled epochs of each model")
     args = parser.parse_args(argv)
     if args.worker:
         run_worker(args)
         return 0
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [b for b in backends if b not in single.BACKENDS] + [m for m in models if m not in single.GLOBAL_BATCHES]
-    if unknown:
-        raise SystemExit(f"unknown backend(s) or model(s) {unknown}; backends: {', '.join(single.BACKENDS)}; "
-                         f"models: {', '.join(sorted(single.GLOBAL_BATCHES))}")
+    backends, models = selected(args)
     if args.smoke:
         args.devices, args.steps, args.rounds, models = 2, 3, 1, models[:1]
     print(f"One process per backend and model, {args.devices} virtual CPU devices, {args.rounds} unprofiled and one "
           f"profiled epoch ({args.steps} steps) per model, one intra-op thread, load {os.getloadavg()[0]:.1f}\n",
           flush=True)
-    results = [_spawn(args, backend, model) for backend in backends for model in models]
+    results = [side_by_side_child(__file__, RESULT_PREFIX, args, backend, model)
+               for backend in backends for model in models]
     print(table(results))
     if args.smoke:
         print("\nSMOKE run: tiny sizes, the numbers mean nothing.")
