@@ -91,7 +91,12 @@ def test_a_model_with_large_gradients_trains_like_one_process(wide):
     reference = keras_run(model, x, y)
     for worker in workers:
         for i, weight in enumerate(reference["weights"]):
-            np.testing.assert_allclose(worker[f"weights_{i}"], weight, rtol=1e-5, atol=1e-5)
+            # Adam moves a weight by up to its learning rate (1e-3) a step whatever the gradient's size,
+            # so where a gradient element is near zero, the rounding of its sum (two workers' 128-row
+            # products against one 256-row product) can move that weight differently by about 1e-5 over
+            # the two epochs: seen on one element of the 512 x 512 kernel on some CPUs. One worker's
+            # gradient lost or counted twice would change the update by the order of a whole step.
+            np.testing.assert_allclose(worker[f"weights_{i}"], weight, rtol=1e-5, atol=2e-5)
         for key in ("loss", "mae", "evaluate", "predict"):
             np.testing.assert_allclose(worker[key], np.asarray(reference[key]), rtol=1e-5, atol=1e-5)
 
