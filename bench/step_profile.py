@@ -104,7 +104,9 @@ def _tensorflow_profile(train_epoch, steps: int, directory: str) -> dict:
     except ImportError:  # where TensorFlow does not expose its profiler's protocol buffers
         from tsl.profiler.protobuf import xplane_pb2
 
-    tf.profiler.experimental.start(directory, options=tf.profiler.experimental.ProfilerOptions(python_tracer_level=0))
+    # Its default options trace no Python calls. (TensorFlow 2.21 refuses every level passed from Python,
+    # "host_tracer_level expects an i value", and keeps the defaults.)
+    tf.profiler.experimental.start(directory)
     try:
         train_epoch()
     finally:
