@@ -1,6 +1,6 @@
 """What the newer bench scripts share: a child process's one result line, a median with its range,
 and for the scripts that train the models of `mirrored_step_time.py` side by side in one process
-per backend and model, their options, their children and their step timer."""
+per backend and model, their options, their children, their models and their step timer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import sys
 import time
 
 import mirrored_step_time as single
+
+NATIVE = {"tensorflow": "tf.distribute.MirroredStrategy", "jax": "keras.distribution.DataParallel", "torch": None}
 
 
 def result_of(cmd: list, env: dict, prefix: str, timeout: float, what: str) -> dict:
@@ -65,6 +67,69 @@ def side_by_side_child(script: str, prefix: str, args: argparse.Namespace, backe
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("KERAS_STRATEGIES_CPU_DEVICES", None)  # the child sets its own devices
     return result_of(cmd, env, prefix, args.timeout, f"the {backend} {model} worker")
+
+
+class SideBySide:
+    """A worker's models, trained side by side in its process: ours under `ks.MirroredStrategy()`, the
+    native peer on the same devices where the backend has one, and plain Keras on one device.
+
+    They are the model of `args.model` with the data of `mirrored_step_time.py`, built from the same
+    seed; `names` lists them in that order.
+    """
+
+    def __init__(self, args: argparse.Namespace):
+        os.environ["KERAS_STRATEGIES_CPU_DEVICES"] = str(args.devices)
+        single._limit_threads(args.backend, 1)
+
+        import keras
+
+        self.keras = keras
+        single.MODEL["name"] = args.model
+        self.x, self.y = single._make_data(args.steps)
+        self.batch = single.global_batch()
+        self.models = self._built(args.backend, args.devices)
+        self.names = list(self.models)
+
+    def _built(self, backend: str, devices: int) -> dict:
+        """name -> (compiled model, context manager factory to train it in)."""
+        import contextlib
+
+        import keras_strategies as ks
+
+        keras = self.keras
+
+        def built(scope=contextlib.nullcontext):
+            keras.utils.set_random_seed(0)
+            with scope():
+                return single._build_model(keras)
+
+        strategy = ks.MirroredStrategy()
+        models = {"ours": (built(strategy.scope), contextlib.nullcontext)}
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            native = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
+            models["native"] = (built(native.scope), contextlib.nullcontext)
+        elif backend == "jax":
+            import jax
+
+            native = keras.distribution.DataParallel(devices=jax.devices("cpu")[:devices])
+            models["native"] = (built(native.scope), native.scope)
+        models["plain"] = (built(), contextlib.nullcontext)
+        return models
+
+    def epoch(self, name: str, timer=None):
+        """One epoch of model `name` (its `History`), timed by `timer` (`step_timer`) if given."""
+        model, scope = self.models[name]
+        with scope():
+            return model.fit(self.x, self.y, batch_size=self.batch, epochs=1, verbose=0, shuffle=False,
+                             callbacks=[timer] if timer else None)
+
+    def rotation(self, rounds: int) -> list:
+        """The models' names for `rounds` rounds of one epoch each, in an order that rotates from round
+        to round, so that no model always follows the same one."""
+        names = self.names
+        return [name for r in range(rounds) for name in names[r % len(names):] + names[:r % len(names)]]
 
 
 def step_timer(keras):

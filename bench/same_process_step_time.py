@@ -38,67 +38,25 @@ import os
 import statistics
 import sys
 
-import mirrored_step_time as single
-from child_runs import selected, side_by_side_child, side_by_side_options, spread, step_timer
+from child_runs import NATIVE, SideBySide, selected, side_by_side_child, side_by_side_options, spread, step_timer
 
 RESULT_PREFIX = "SAME-PROCESS-RESULT "
-NATIVE = {"tensorflow": "tf.distribute.MirroredStrategy", "jax": "keras.distribution.DataParallel", "torch": None}
-
-
-def _models(keras, backend: str, devices: int) -> dict:
-    """name -> (compiled model, context manager factory to train it in)."""
-    import contextlib
-
-    import keras_strategies as ks
-
-    def built(scope=contextlib.nullcontext):
-        keras.utils.set_random_seed(0)
-        with scope():
-            return single._build_model(keras)
-
-    strategy = ks.MirroredStrategy()
-    models = {"ours": (built(strategy.scope), contextlib.nullcontext)}
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        native = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
-        models["native"] = (built(native.scope), contextlib.nullcontext)
-    elif backend == "jax":
-        import jax
-
-        native = keras.distribution.DataParallel(devices=jax.devices("cpu")[:devices])
-        models["native"] = (built(native.scope), native.scope)
-    models["plain"] = (built(), contextlib.nullcontext)
-    return models
 
 
 def run_worker(args) -> None:
-    os.environ["KERAS_STRATEGIES_CPU_DEVICES"] = str(args.devices)
-    single._limit_threads(args.backend, 1)
-
-    import keras
-
-    single.MODEL["name"] = args.model
-    x, y = single._make_data(args.steps)
-    batch = single.global_batch()
-    models = _models(keras, args.backend, args.devices)
+    side = SideBySide(args)
 
     def epoch(name: str) -> tuple:
-        model, scope = models[name]
-        timer = step_timer(keras)
-        with scope():
-            history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+        timer = step_timer(side.keras)
+        history = side.epoch(name, timer)
         return statistics.median(timer.wall) * 1e3, history.history["loss"][-1]
 
-    names = list(models)
-    losses = {name: [epoch(name)[1]] for name in names}  # the warm-up epoch: tracing and compilation
-    ms: dict = {name: [] for name in names}
-    for r in range(args.rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            step, loss = epoch(name)
-            ms[name].append(step)
-            losses[name].append(loss)
+    losses = {name: [epoch(name)[1]] for name in side.names}  # the warm-up epoch: tracing and compilation
+    ms: dict = {name: [] for name in side.names}
+    for name in side.rotation(args.rounds):
+        step, loss = epoch(name)
+        ms[name].append(step)
+        losses[name].append(loss)
     print(RESULT_PREFIX + json.dumps({"backend": args.backend, "model": args.model, "devices": args.devices,
                                          "ms": ms, "losses": losses}), flush=True)
 

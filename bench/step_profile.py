@@ -38,9 +38,7 @@ import statistics
 import sys
 import tempfile
 
-import mirrored_step_time as single
-import same_process_step_time as same
-from child_runs import selected, side_by_side_child, side_by_side_options, spread, step_timer
+from child_runs import NATIVE, SideBySide, selected, side_by_side_child, side_by_side_options, spread, step_timer
 
 RESULT_PREFIX = "STEP-PROFILE-RESULT "
 CONFIGURATIONS = {"ours": "ks.MirroredStrategy", "native": None, "plain": "plain Keras, 1 device"}
@@ -142,44 +140,26 @@ PROFILERS = {"jax": _jax_profile, "tensorflow": _tensorflow_profile, "torch": _t
 
 
 def run_worker(args) -> None:
-    os.environ["KERAS_STRATEGIES_CPU_DEVICES"] = str(args.devices)
-    single._limit_threads(args.backend, 1)
-
-    import keras
-
-    single.MODEL["name"] = args.model
-    x, y = single._make_data(args.steps)
-    batch = single.global_batch()
-    models = same._models(keras, args.backend, args.devices)
-
-    def epoch(name: str, timer=None) -> None:
-        model, scope = models[name]
-        with scope():
-            model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-                      callbacks=[timer] if timer else None)
-
-    names = list(models)
-    for name in names:  # warm-up: tracing and compilation
-        epoch(name)
+    side = SideBySide(args)
+    for name in side.names:  # warm-up: tracing and compilation
+        side.epoch(name)
     # Profiled right after the warm-up: TensorFlow's executor learns which operations are cheap and
     # then runs them without the events its profiler reports at the default level (the only one
     # TensorFlow 2.21's Python API can set), so a later epoch would show only part of the step.
     profiles = {}
-    for name in names:
+    for name in side.names:
         directory = tempfile.mkdtemp(prefix=f"ks_step_profile_{name}_")
         try:
-            profiles[name] = PROFILERS[args.backend](lambda: epoch(name), args.steps, directory)
+            profiles[name] = PROFILERS[args.backend](lambda: side.epoch(name), args.steps, directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-    wall: dict = {name: [] for name in names}
-    cpu: dict = {name: [] for name in names}
-    for r in range(args.rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            timer = step_timer(keras)
-            epoch(name, timer)
-            wall[name].append(statistics.median(timer.wall) * 1e3)
-            cpu[name].append(statistics.median(timer.cpu) * 1e3)
+    wall: dict = {name: [] for name in side.names}
+    cpu: dict = {name: [] for name in side.names}
+    for name in side.rotation(args.rounds):
+        timer = step_timer(side.keras)
+        side.epoch(name, timer)
+        wall[name].append(statistics.median(timer.wall) * 1e3)
+        cpu[name].append(statistics.median(timer.cpu) * 1e3)
     print(RESULT_PREFIX + json.dumps({"backend": args.backend, "model": args.model, "devices": args.devices,
                                          "wall": wall, "cpu": cpu, "profiles": profiles}), flush=True)
 
@@ -191,7 +171,7 @@ def table(results: list) -> str:
     for result in results:
         backend = result["backend"]
         for name, profile in result["profiles"].items():
-            label = CONFIGURATIONS[name] or same.NATIVE[backend]
+            label = CONFIGURATIONS[name] or NATIVE[backend]
             label += f", {result['devices']} devices" if name != "plain" else ""
             waiting = f"{profile['waiting_ms']:.2f}" if backend == "jax" else "—"
             lines.append(f"| {backend} | {result['model']} | {label} | {spread(result['wall'][name])} "
