@@ -26,10 +26,10 @@ import signal
 import threading
 from typing import Callable, Iterator
 
-from keras.src.callbacks.backup_and_restore import BackupAndRestore
 from keras.src.saving import saving_api
 from keras.src.utils import file_utils
 
+from keras_strategies.backend.common import patches
 from keras_strategies.keras_integration.ownership import strategy_of
 
 _HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -78,7 +78,6 @@ def _wrap_save_model(original: Callable) -> Callable:
             os.replace(pending_weights, self._weights_path)
             os.replace(pending_metadata, self._training_metadata_path)
 
-    _save_model._ks_original = original
     return _save_model
 
 
@@ -91,7 +90,6 @@ def _wrap_init(original: Callable) -> Callable:
         self.save_before_preemption = save_before_preemption
         self._ks_preemption = None
 
-    __init__._ks_original = original
     return __init__
 
 
@@ -112,7 +110,6 @@ def _wrap_load_model(original: Callable) -> Callable:
             with open(self._training_metadata_path) as file:
                 self.model._ks_initial_batch = int(json.load(file).get(_TRAINED_BATCHES, 0))
 
-    _load_model._ks_original = original
     return _load_model
 
 
@@ -134,7 +131,6 @@ def _wrap_on_train_begin(original: Callable) -> Callable:
         if getattr(self, "save_before_preemption", False):
             self._ks_preemption, self._ks_boundaries = _preemption_point(self.model), 0
 
-    on_train_begin._ks_original = original
     return on_train_begin
 
 
@@ -144,7 +140,6 @@ def _wrap_on_epoch_begin(original: Callable) -> Callable:
         self._ks_epoch = epoch
         return original(self, epoch, logs)
 
-    on_epoch_begin._ks_original = original
     return on_epoch_begin
 
 
@@ -168,7 +163,6 @@ def _wrap_on_train_batch_end(original: Callable) -> Callable:
 
         preemption.save_and_exit(save)
 
-    on_train_batch_end._ks_original = original
     return on_train_batch_end
 
 
@@ -181,27 +175,28 @@ def _wrap_on_train_end(original: Callable) -> Callable:
             self._ks_preemption = None
         return original(self, logs)
 
-    on_train_end._ks_original = original
     return on_train_end
 
 
-_WRAPPERS = {
-    "__init__": _wrap_init,
-    "_save_model": _wrap_save_model,
-    "_load_model": _wrap_load_model,
-    "on_train_begin": _wrap_on_train_begin,
-    "on_epoch_begin": _wrap_on_epoch_begin,
-    "on_train_batch_end": _wrap_on_train_batch_end,
-    "on_train_end": _wrap_on_train_end,
-}
-
-
-REPLACED_METHODS = tuple(_WRAPPERS)
+_PRE = "tf.keras' `save_before_preemption=True`: on SIGTERM every worker backs up at the same step and exits"
+_B = "keras.src.callbacks.backup_and_restore.BackupAndRestore"
+_PATCHES = (
+    (patches.declare(f"{_B}.__init__", f"{_PRE} (the argument)"), _wrap_init),
+    (patches.declare(f"{_B}._save_model", "a backup is whole or absent: a worker stopped while saving never leaves "
+                     "weights beside the previous epoch's number"), _wrap_save_model),
+    (patches.declare(f"{_B}._load_model", "`fit` resumes after the batches a preempted epoch trained; variables "
+                     "Keras makes while reading a backup are left out of the workers' same-variables check"),
+     _wrap_load_model),
+    (patches.declare(f"{_B}.on_train_begin", f"{_PRE} (the termination notice is armed)"), _wrap_on_train_begin),
+    (patches.declare(f"{_B}.on_epoch_begin", f"{_PRE} (the epoch a preemption backup records; Keras' class "
+                     "inherits `Callback`'s no-op)"), _wrap_on_epoch_begin),
+    (patches.declare(f"{_B}.on_train_batch_end", f"{_PRE} (the step where every worker backs up)"),
+     _wrap_on_train_batch_end),
+    (patches.declare(f"{_B}.on_train_end", f"{_PRE} (the termination notice is closed)"), _wrap_on_train_end),
+)
 
 
 def install() -> None:
     """Installs the hooks (idempotent)."""
-    for name, wrap in _WRAPPERS.items():
-        method = getattr(BackupAndRestore, name)
-        if not hasattr(method, "_ks_original"):
-            setattr(BackupAndRestore, name, wrap(method))
+    for patch, wrap in _PATCHES:
+        patch.apply(wrap)

@@ -6,7 +6,9 @@ row for an empty replica); their statistics must ignore them. With
 over replicas with the strategy's collectives, on every backend (Keras itself
 synchronises only on TensorFlow), across workers too under
 MultiWorkerMirroredStrategy. Outside a multi-replica step Keras' own code
-runs unchanged.
+runs unchanged, and outside every strategy scope `synchronized=True` meets
+Keras' own check (`ks.layers.SyncBatchNormalization` is the layer that
+synchronises wherever it is built).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import functools
 from typing import Any, Callable
 
 from keras import ops
-from keras.src.layers.normalization import batch_normalization as keras_bn
 
 from keras_strategies.distribute import context
 from keras_strategies.backend import engine
+from keras_strategies.backend.common import patches
 from keras_strategies.backend.common.replica_variables import weigh_writes
 from keras_strategies.keras_integration.row_mask import spread_rows
 
@@ -80,7 +82,6 @@ def _wrap_moments(original: Callable) -> Callable:
                 self.synchronized = True
         return original(self, inputs, mask)
 
-    _moments._ks_original = original
     return _moments
 
 
@@ -88,19 +89,26 @@ def _wrap_init(original: Callable) -> Callable:
     # Not `functools.wraps`: Keras inspects `__init__` for its auto-config and must see
     # this function's own signature, not the wrapped one.
     def __init__(self, *args, synchronized=False, **kwargs):
-        # Keras refuses synchronized=True off TensorFlow; this package provides it.
+        if synchronized and not context.has_strategy():
+            # Outside every strategy: Keras' own behaviour (off TensorFlow it refuses the argument;
+            # `ks.layers.SyncBatchNormalization` synchronises anywhere).
+            return original(self, *args, synchronized=synchronized, **kwargs)
+        # In a strategy's scope this package provides synchronized=True on every backend.
         original(self, *args, synchronized=False, **kwargs)
         self.synchronized = synchronized
 
     __init__.__doc__ = original.__doc__
-    __init__._ks_original = original
     return __init__
+
+
+_BN = "keras.src.layers.normalization.batch_normalization.BatchNormalization"
+_INIT = patches.declare(f"{_BN}.__init__", "`synchronized=True` inside a strategy's scope on every backend "
+                        "(outside every scope Keras' own check runs)")
+_MOMENTS = patches.declare(f"{_BN}._moments", "batch statistics leave padding rows out and are synchronised "
+                           "across replicas")
 
 
 def install() -> None:
     """Installs the BatchNormalization hooks (idempotent)."""
-    layer = keras_bn.BatchNormalization
-    if hasattr(layer._moments, "_ks_original"):
-        return
-    layer._moments = _wrap_moments(layer._moments)
-    layer.__init__ = _wrap_init(layer.__init__)
+    _MOMENTS.apply(_wrap_moments)
+    _INIT.apply(_wrap_init)

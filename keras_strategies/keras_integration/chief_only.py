@@ -24,14 +24,14 @@ import contextlib
 import functools
 import os
 import shutil
-import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import numpy as np
 from keras.src.callbacks import BackupAndRestore, CSVLogger, ModelCheckpoint, TensorBoard
-from keras.src.saving import saving_api
-from keras.src.utils import file_utils, io_utils
+
+
+from keras_strategies.backend.common import patches
 
 
 def worker_temp_path(path: str, task_id: Any) -> str:
@@ -79,6 +79,18 @@ class _WorkerTempDirs(keras.callbacks.Callback):
             _remove(path)
 
 
+_PRINT_MSG = patches.declare("keras.src.utils.io_utils.print_msg", "a non-chief worker's callbacks print nothing "
+                             "(they would repeat the chief's lines, naming their temporary paths)",
+                             when="while a non-chief worker runs `fit`, `evaluate` or `predict`")
+
+
+def _silent(original: Callable) -> Callable:
+    def print_msg(message, line_break=True):
+        return None
+
+    return print_msg
+
+
 @contextlib.contextmanager
 def quiet(enabled: bool) -> Iterator[None]:
     """Keras' own messages (`io_utils.print_msg`, which callbacks print with) are dropped for the duration.
@@ -86,15 +98,8 @@ def quiet(enabled: bool) -> Iterator[None]:
     A non-chief worker's callbacks would repeat the chief's lines, naming its temporary paths.
     Warnings and the program's own output are left alone.
     """
-    if not enabled:
+    with _PRINT_MSG.applied(_silent) if enabled else contextlib.nullcontext():
         yield
-        return
-    original = io_utils.print_msg
-    io_utils.print_msg = lambda message, line_break=True: None
-    try:
-        yield
-    finally:
-        io_utils.print_msg = original
 
 
 def adapt_callbacks(callbacks: list, task_id: Any) -> list:
@@ -152,7 +157,6 @@ def _wrap_save(original: Callable) -> Callable:
             # Every worker returns once the chief's file is complete (then it may be loaded).
             extended._cross_worker_sum([np.zeros((1,), "float32")], "model.save barrier")
 
-    save._ks_original = original
     return save
 
 
@@ -181,28 +185,24 @@ def _wrap_makedirs(original: Callable) -> Callable:
                 return None
             raise
 
-    makedirs._ks_original = original
     return makedirs
 
 
 _PUBLIC_SAVING_MODULES = ("keras.saving", "keras.models", "keras._tf_keras.keras.saving", "keras._tf_keras.keras.models")
+# `Model.save` / `save_weights` call these, so wrapping them covers the methods, `ModelCheckpoint`,
+# `BackupAndRestore` and the public functions; the public names were bound when Keras was imported
+# and are rebound too (a public module imported later binds the wrapped function itself).
+_SAVES = tuple(
+    patches.declare(f"keras.src.saving.saving_api.{name}", "only the chief's file is kept under "
+                    "MultiWorkerMirroredStrategy", aliases=_PUBLIC_SAVING_MODULES)
+    for name in ("save_model", "save_weights")
+)
+_MAKEDIRS = patches.declare("keras.src.utils.file_utils.makedirs", "once a multi-worker cluster is joined, a directory "
+                            "another worker created between Keras' check and its creation is accepted")
 
 
 def install() -> None:
-    """Installs the save hooks (idempotent).
-
-    `Model.save` / `save_weights` call `saving_api.save_model` / `save_weights`, so wrapping
-    those covers the methods, `ModelCheckpoint`, `BackupAndRestore` and the public functions;
-    the public names were bound when Keras was imported and are rebound here (a public module
-    imported later binds the wrapped function itself).
-    """
-    for name in ("save_model", "save_weights"):
-        original = getattr(saving_api, name)
-        if not hasattr(original, "_ks_original"):
-            setattr(saving_api, name, _wrap_save(original))
-        for module_name in _PUBLIC_SAVING_MODULES:
-            module = sys.modules.get(module_name)
-            if module is not None and getattr(module, name, None) is original:
-                setattr(module, name, getattr(saving_api, name))
-    if not hasattr(file_utils.makedirs, "_ks_original"):
-        file_utils.makedirs = _wrap_makedirs(file_utils.makedirs)
+    """Installs the save hooks (idempotent)."""
+    for patch in _SAVES:
+        patch.apply(_wrap_save)
+    _MAKEDIRS.apply(_wrap_makedirs)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 from keras import ops
 from keras.src.losses import loss as keras_loss
 
+from keras_strategies.backend.common import patches
 from keras_strategies.distribute import context, traced_function
 from keras_strategies.keras_integration.row_mask import spread_rows
 
@@ -112,7 +113,6 @@ def _wrap_weighted(original: Callable) -> Callable:
             return _masked_mean(original, replica_context, values, sample_weight, mask, padding, dtype)
         return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
 
-    reduce_weighted_values._ks_original = original
     return reduce_weighted_values
 
 
@@ -132,13 +132,15 @@ def _wrap_values(original: Callable) -> Callable:
             return ops.divide_no_nan(ops.divide_no_nan(ops.sum(values), total), share)
         return loss
 
-    reduce_values._ks_original = original
     return reduce_values
+
+
+_WHY = "every loss reduction sums over replicas to the global batch's loss, padding rows excluded"
+_VALUES = patches.declare("keras.src.losses.loss.reduce_values", _WHY)
+_WEIGHTED = patches.declare("keras.src.losses.loss.reduce_weighted_values", _WHY)
 
 
 def install() -> None:
     """Installs the hooks (idempotent)."""
-    if hasattr(keras_loss.reduce_values, "_ks_original"):
-        return
-    keras_loss.reduce_values = _wrap_values(keras_loss.reduce_values)
-    keras_loss.reduce_weighted_values = _wrap_weighted(keras_loss.reduce_weighted_values)
+    _VALUES.apply(_wrap_values)
+    _WEIGHTED.apply(_wrap_weighted)

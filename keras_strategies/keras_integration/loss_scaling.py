@@ -13,8 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from keras.src.losses import loss as keras_loss
-
+from keras_strategies.backend.common import patches
 from keras_strategies.distribute import context
 
 
@@ -26,13 +25,15 @@ def _wrap(original: Callable) -> Callable:
             return value
         return original(value)
 
-    wrapper._ks_original = original
     return wrapper
+
+
+_WHY = "Keras' division by the replica count is off in our replica steps, which weight replicas by their rows"
+_PATCHES = tuple(patches.declare(f"keras.src.losses.loss.{name}", _WHY)
+                 for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"))
 
 
 def install() -> None:
     """Installs the hooks (idempotent)."""
-    if hasattr(keras_loss.scale_loss_for_distribution, "_ks_original"):
-        return
-    keras_loss.scale_loss_for_distribution = _wrap(keras_loss.scale_loss_for_distribution)
-    keras_loss.unscale_loss_for_distribution = _wrap(keras_loss.unscale_loss_for_distribution)
+    for patch in _PATCHES:
+        patch.apply(_wrap)

@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 from keras import ops
-from keras.src.metrics.reduction_metrics import Mean
 
+from keras_strategies.backend.common import patches
 from keras_strategies.distribute import context
 
 
@@ -65,12 +65,13 @@ def _wrap(original: Callable) -> Callable:
             sample_weight = share
         return original(self, values, sample_weight=_masked(self, values, sample_weight))
 
-    update_state._ks_original = original
     return update_state
+
+
+_UPDATE_STATE = patches.declare("keras.src.metrics.reduction_metrics.Mean.update_state",
+                                "a scalar update in a model's own step counts with the replica's share of the batch")
 
 
 def install() -> None:
     """Installs the hook (idempotent)."""
-    if hasattr(Mean.update_state, "_ks_original"):
-        return
-    Mean.update_state = _wrap(Mean.update_state)
+    _UPDATE_STATE.apply(_wrap)

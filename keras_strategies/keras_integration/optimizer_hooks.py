@@ -18,10 +18,10 @@ from typing import Any, Callable, Iterator
 
 from keras import ops
 from keras.src import backend as keras_backend
-from keras.src.optimizers import base_optimizer, loss_scale_optimizer
 
 from keras_strategies.distribute import context
 from keras_strategies.backend import engine
+from keras_strategies.backend.common import patches
 from keras_strategies.distribute.reduce_op import ReduceOp
 
 _state = threading.local()
@@ -74,7 +74,6 @@ def _wrap_apply(original: Callable) -> Callable:
         grads = _aggregate(replica_context, grads)
         return replica_context.merge_call(update)
 
-    apply._ks_original = original
     return apply
 
 
@@ -108,7 +107,6 @@ def _wrap_stateless_apply(original: Callable) -> Callable:
         with direct_update():
             return original(self, optimizer_variables, _aggregate(replica_context, grads), trainable_variables)
 
-    stateless_apply._ks_original = original
     return stateless_apply
 
 
@@ -119,16 +117,21 @@ def _wrap_apply_gradients(original: Callable) -> Callable:
         with _flag("skip_aggregation") if skip else contextlib.nullcontext():
             return original(self, grads_and_vars, **kwargs)
 
-    apply_gradients._ks_original = original
     return apply_gradients
+
+
+_BASE, _LSO = "keras.src.optimizers.base_optimizer.BaseOptimizer", "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer"
+_APPLY = {cls: patches.declare(f"{cls}.apply", "called in a replica, sums the gradients across replicas and applies one "
+                                "update (clipping after the sum)") for cls in (_BASE, _LSO)}
+_STATELESS_APPLY = {cls: patches.declare(f"{cls}.stateless_apply", "called in a replica, applies the gradients summed "
+                                          "across replicas") for cls in (_BASE, _LSO)}
+_APPLY_GRADIENTS = patches.declare(f"{_BASE}.apply_gradients", "tf.keras' `skip_gradients_aggregation` and "
+                                   "`experimental_aggregate_gradients` arguments")
 
 
 def install() -> None:
     """Installs the optimizer hooks (idempotent)."""
-    base = base_optimizer.BaseOptimizer
-    if hasattr(base.apply, "_ks_original"):
-        return
-    for cls in (base, loss_scale_optimizer.LossScaleOptimizer):
-        cls.apply = _wrap_apply(cls.apply)
-        cls.stateless_apply = _wrap_stateless_apply(cls.stateless_apply)
-    base.apply_gradients = _wrap_apply_gradients(base.apply_gradients)
+    for cls in (_BASE, _LSO):
+        _APPLY[cls].apply(_wrap_apply)
+        _STATELESS_APPLY[cls].apply(_wrap_stateless_apply)
+    _APPLY_GRADIENTS.apply(_wrap_apply_gradients)

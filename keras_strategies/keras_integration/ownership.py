@@ -11,13 +11,8 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator
 
-from keras.src.backend.common import variables as keras_variables
-from keras.src.layers import layer as keras_layer
-from keras.src.models import model as keras_model
-from keras.src.trainers import trainer as keras_trainer
-
 from keras_strategies.distribute import context
-from keras_strategies.backend.common import replica_variables
+from keras_strategies.backend.common import patches, replica_variables
 
 # Model methods whose work runs under the model's strategy.
 KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
@@ -43,7 +38,6 @@ def _wrap_init(original: Callable) -> Callable:
         original(self, *args, **kwargs)
         _record_current_strategy(self)
 
-    __init__._ks_original = original
     return __init__
 
 
@@ -77,7 +71,6 @@ def _wrap_maybe_build(original: Callable) -> Callable:
         with _as_in_scope(context.get_strategy()):
             return original(self, call_spec)
 
-    _maybe_build._ks_original = original
     return _maybe_build
 
 
@@ -90,7 +83,6 @@ def _wrap_variable_init(original: Callable) -> Callable:
             original(self, *args, **kwargs)
             _record_current_strategy(self)
 
-    __init__._ks_original = original
     return __init__
 
 
@@ -107,7 +99,6 @@ def _wrap_compile(original: Callable) -> Callable:
             object.__setattr__(self, _STRATEGY_ATTR, current)
         return original(self, *args, **kwargs)
 
-    compile._ks_original = original
     return compile
 
 
@@ -146,20 +137,27 @@ def _wrap_method(name: str, original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         return strategy.extended._run_keras_method(name, original, self, args, kwargs)
 
-    method._ks_original = original
     return method
+
+
+_TRAINER, _MODEL = "keras.src.trainers.trainer.Trainer", "keras.src.models.model.Model"
+_TRAINER_INIT = patches.declare(f"{_TRAINER}.__init__", "a model remembers the strategy it was created under")
+# On Trainer itself: Keras' `compile_from_config` compares `cls.compile` with `Trainer.compile`.
+_COMPILE = patches.declare(f"{_TRAINER}.compile", "a model is compiled under the strategy it was created under")
+_VARIABLE_INIT = patches.declare(
+    "keras.src.backend.common.variables.Variable.__init__",
+    "a variable remembers its strategy; one made inside `strategy.run` is made as in `scope()`, shared by the replicas")
+_MAYBE_BUILD = patches.declare("keras.src.layers.layer.Layer._maybe_build",
+                               "a layer first called inside `strategy.run` builds as in `scope()`")
+_METHODS = {name: patches.declare(f"{_MODEL}.{name}", "runs under the model's strategy: each global batch split "
+                                  "across the replicas") for name in KERAS_METHODS}
 
 
 def install() -> None:
     """Installs the hooks (idempotent)."""
-    trainer_cls, model_cls = keras_trainer.Trainer, keras_model.Model
-    variable_cls, layer_cls = keras_variables.Variable, keras_layer.Layer
-    if hasattr(trainer_cls.__init__, "_ks_original"):
-        return
-    trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
-    variable_cls.__init__ = _wrap_variable_init(variable_cls.__init__)
-    layer_cls._maybe_build = _wrap_maybe_build(layer_cls._maybe_build)
-    # On Trainer itself: Keras' `compile_from_config` compares `cls.compile` with `Trainer.compile`.
-    trainer_cls.compile = _wrap_compile(trainer_cls.compile)
-    for name in KERAS_METHODS:
-        setattr(model_cls, name, _wrap_method(name, getattr(model_cls, name)))
+    _TRAINER_INIT.apply(_wrap_init)
+    _VARIABLE_INIT.apply(_wrap_variable_init)
+    _MAYBE_BUILD.apply(_wrap_maybe_build)
+    _COMPILE.apply(_wrap_compile)
+    for name, patch in _METHODS.items():
+        patch.apply(functools.partial(_wrap_method, name))

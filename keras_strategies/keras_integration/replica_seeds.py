@@ -21,8 +21,8 @@ from typing import Any, Callable
 import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
-from keras.src.random import seed_generator
 
+from keras_strategies.backend.common import patches
 from keras_strategies.distribute import context
 
 # Odd and large: replica r's seeds are (seed + r * STRIDE, counter), modulo 2**32.
@@ -52,12 +52,13 @@ def _wrap_next(original: Callable) -> Callable:
         replica._leaves_rows_out([self.state])  # a counter: no rows in it
         return replica_offset(seed, replica.replica_id_in_sync_group)
 
-    next._ks_original = original
     return next
+
+
+_NEXT = patches.declare("keras.src.random.seed_generator.SeedGenerator.next",
+                        "replicas draw different random numbers, as rows do on one device")
 
 
 def install() -> None:
     """Installs the hook on `SeedGenerator.next` (idempotent)."""
-    cls = seed_generator.SeedGenerator
-    if not hasattr(cls.next, "_ks_original"):
-        cls.next = _wrap_next(cls.next)
+    _NEXT.apply(_wrap_next)

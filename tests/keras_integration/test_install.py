@@ -1,29 +1,13 @@
-"""The table of replaced Keras methods is complete and true on the current backend."""
+"""The installed replacements are the registry's: complete, each keeping Keras' original."""
 
-import importlib
 import inspect
 import sys
-
-import keras
 
 from keras_strategies import keras_integration
 
 
-def _resolve(dotted: str):
-    parts = dotted.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            owner = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for part in parts[cut:]:
-            owner = inspect.getattr_static(owner, part) if inspect.isclass(owner) else getattr(owner, part)
-        return owner
-    raise ImportError(dotted)
-
-
 def _replaced_in_keras() -> set:
-    """Every function in Keras' own modules (and their classes) that keeps an original as `_ks_original`."""
+    """Every function bound in Keras' own modules (and their classes) that keeps an original as `_ks_original`."""
     found = set()
     for name, module in list(sys.modules.items()):
         if not name.startswith("keras.src.") or module is None:
@@ -32,36 +16,34 @@ def _replaced_in_keras() -> set:
             if inspect.isfunction(value) and hasattr(value, "_ks_original"):
                 # Listed where Keras defines it; public modules rebind the same function.
                 if name == value._ks_original.__module__:
-                    found.add(f"{name}.{attr}")
+                    found.add((f"{name}.{attr}", value))
             elif inspect.isclass(value) and value.__module__ == name:
                 for method, function in vars(value).items():
                     if hasattr(function, "_ks_original"):
-                        found.add(f"{name}.{value.__name__}.{method}")
+                        found.add((f"{name}.{value.__name__}.{method}", function))
     return found
 
 
-def test_every_listed_method_is_replaced_and_keeps_keras_original():
-    for dotted, _ in keras_integration.replaced():
-        replacement = _resolve(dotted)
-        assert hasattr(replacement, "_ks_original"), f"{dotted} is listed but not replaced"
-        assert replacement._ks_original is not replacement
+def _installed() -> list:
+    return [patch for patch in keras_integration.replaced() if patch.when == "import" and patch.keras_function()]
 
 
-def test_every_replaced_method_is_listed():
-    listed = {dotted for dotted, _ in keras_integration.replaced()}
-    unlisted = _replaced_in_keras() - listed
-    assert not unlisted, f"replaced but missing from keras_integration's table: {sorted(unlisted)}"
-    assert len(listed) >= 25
+def test_every_replacement_from_import_on_is_in_place_and_keeps_keras_original():
+    for patch in _installed():
+        assert patch.installed, f"{patch.target} is declared but not replaced"
+        replacement = patch.current()
+        assert hasattr(replacement, "_ks_original") and replacement._ks_original is not replacement
+
+
+def test_every_replaced_function_is_a_declared_replacement():
+    declared = set(keras_integration.replaced())
+    for dotted, function in _replaced_in_keras():
+        assert function._ks_patch in declared, f"{dotted} is replaced outside the patch registry"
+        assert function._ks_patch.target == dotted
+    assert len(_installed()) >= 33
 
 
 def test_install_is_idempotent():
-    before = {dotted: _resolve(dotted) for dotted, _ in keras_integration.replaced()}
+    before = {(patch.target, patch.module): patch.current() for patch in _installed()}
     keras_integration.install()
-    assert {dotted: _resolve(dotted) for dotted, _ in keras_integration.replaced()} == before
-
-
-def test_the_docstring_table_names_every_module():
-    doc = keras_integration.__doc__
-    for _, module in keras_integration.REPLACED:
-        assert f"`{module}`" in doc
-    assert f"backend/{keras.backend.backend()}/keras_hooks.py" in doc or keras.backend.backend() == "jax"
+    assert {(patch.target, patch.module): patch.current() for patch in _installed()} == before

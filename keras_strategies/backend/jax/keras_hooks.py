@@ -1,11 +1,8 @@
-"""The Keras methods this engine replaces: none (listed in `keras_strategies.keras_integration`)."""
+"""The Keras functions this engine replaces: none (the patch registry lists the others)."""
 
 from __future__ import annotations
 
 from typing import Any
-
-# (Keras method, why), for the table of `keras_strategies.keras_integration`.
-REPLACED: tuple = ()
 
 
 def install(strategy_context: Any) -> None:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Iterator
+from typing import Callable
 
 import tensorflow as tf
-from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
-from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+from keras.src.optimizers import base_optimizer
+
+from keras_strategies.backend.common import patches
 
 
 class _DirectExtended:
@@ -33,15 +34,21 @@ class _DirectUpdates:
     extended = _DirectExtended()
 
 
-@contextlib.contextmanager
-def _direct_merge_calls() -> Iterator[None]:
-    interim = tf.__internal__.distribute.interim
-    original = interim.maybe_merge_call
-    interim.maybe_merge_call = lambda fn, strategy, *args, **kwargs: fn(_DirectUpdates(), *args, **kwargs)
-    try:
-        yield
-    finally:
-        interim.maybe_merge_call = original
+_MERGE_CALL = patches.declare(
+    "tensorflow._api.v2.__internal__.distribute.interim.maybe_merge_call",
+    "Keras' TF optimizer routes its update through a merge call, which fails in cross-replica context; there "
+    "the update runs directly", when="while a summed update is applied in TF's cross-replica context")
+
+
+def _direct_merge_call(original: Callable) -> Callable:
+    def maybe_merge_call(fn, strategy, *args, **kwargs):
+        return fn(_DirectUpdates(), *args, **kwargs)
+
+    return maybe_merge_call
+
+
+def _direct_merge_calls() -> contextlib.AbstractContextManager:
+    return _MERGE_CALL.applied(_direct_merge_call)
 
 
 def _wrap(method: Callable) -> Callable:
@@ -52,7 +59,6 @@ def _wrap(method: Callable) -> Callable:
         with _direct_merge_calls():
             return method(self, *args, **kwargs)
 
-    wrapper._ks_original = method
     return wrapper
 
 
@@ -69,7 +75,6 @@ def _wrap_add_variable_from_reference(method: Callable) -> Callable:
         with tf.device(getattr(reference_variable, "value", reference_variable).device):
             return base_optimizer.BaseOptimizer.add_variable_from_reference(self, reference_variable, *args, **kwargs)
 
-    add_variable_from_reference._ks_original = method
     return add_variable_from_reference
 
 
@@ -85,7 +90,6 @@ def _wrap_overwrite_with_average(method: Callable) -> Callable:
         for variable, average in zip(trainable_variables, self._model_variables_moving_average):
             _DirectExtended.update(getattr(variable, "value", variable), lambda a, b: a.assign(b), args=(average,))
 
-    overwrite._ks_original = method
     return overwrite
 
 
@@ -101,24 +105,30 @@ def _wrap_loss_scale_apply(method: Callable) -> Callable:
             return method(self, grads, trainable_variables)
         return self._common_apply(grads, trainable_variables=trainable_variables)
 
-    _tf_apply._ks_original = method
     return _tf_apply
+
+
+_WHY = "the summed update is applied in TF's cross-replica context, where Keras' merge call fails"
+_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
+_PATCHES = (
+    *((patches.declare(f"{_TF_OPTIMIZER}.{name}", _WHY), _wrap) for name in (
+        "_backend_update_step", "_apply_weight_decay", "_backend_increment_gradient_accumulators")),
+    (patches.declare(f"{_TF_OPTIMIZER}._overwrite_model_variables_with_average_value",
+                     "use_ema's overwrite assigns directly (TF refuses to nest the optimizer's own strategy)"),
+     _wrap_overwrite_with_average),
+    (patches.declare(f"{_TF_OPTIMIZER}.add_variable_from_reference",
+                     "slot variables made in cross-replica context are placed by their reference variable"),
+     _wrap_add_variable_from_reference),
+    (patches.declare("keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer._tf_apply",
+                     "LossScaleOptimizer applies the summed gradients in cross-replica context"),
+     _wrap_loss_scale_apply),
+)
 
 
 def install() -> None:
     """Installs the cross-replica fixes on Keras' TF optimizer (idempotent)."""
-    cls = keras_tf_optimizer.TFOptimizer
-    if hasattr(cls._backend_update_step, "_ks_original"):
-        return
-    cls._backend_update_step = _wrap(cls._backend_update_step)
-    cls._apply_weight_decay = _wrap(cls._apply_weight_decay)
-    cls._backend_increment_gradient_accumulators = _wrap(cls._backend_increment_gradient_accumulators)
-    cls._overwrite_model_variables_with_average_value = _wrap_overwrite_with_average(
-        cls._overwrite_model_variables_with_average_value
-    )
-    cls.add_variable_from_reference = _wrap_add_variable_from_reference(cls.add_variable_from_reference)
-    lso = loss_scale_optimizer.LossScaleOptimizer
-    lso._tf_apply = _wrap_loss_scale_apply(lso._tf_apply)
+    for patch, wrap in _PATCHES:
+        patch.apply(wrap)
 
 
 _COMPILED = "_ks_compiled_apply"

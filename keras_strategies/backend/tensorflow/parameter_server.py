@@ -19,10 +19,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
-from keras.src.backend.tensorflow import core as keras_tf_core
-from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.optimizers import base_optimizer
 from tensorflow.python.distribute import ps_values, sharded_variable
+
+from keras_strategies.backend.common import patches
 
 # Every task needs it for TensorFlow's coordinator to see a lost worker as a retryable failure.
 _FAIL_FAST = ("GRPC_FAIL_FAST", "use_caller")
@@ -204,7 +204,6 @@ def _wrap_gradient(original: Callable) -> Callable:
                 i += len(shards)
         return tf.nest.pack_sequence_as(sources, grads)
 
-    gradient._ks_original = original
     return gradient
 
 
@@ -219,7 +218,6 @@ def _wrap_add_variable_from_reference(original: Callable) -> Callable:
             return original(self, reference_variable, *args, **kwargs)
         return base_optimizer.BaseOptimizer.add_variable_from_reference(self, reference_variable, *args, **kwargs)
 
-    add_variable_from_reference._ks_original = original
     return add_variable_from_reference
 
 
@@ -238,7 +236,6 @@ def _wrap_distributed_update_step(original: Callable) -> Callable:
         if whole:
             return original(self, distribution, whole, learning_rate)
 
-    _distributed_tf_update_step._ks_original = original
     return _distributed_tf_update_step
 
 
@@ -261,7 +258,6 @@ def _wrap_increment(original: Callable, method: str) -> Callable:
         value = self._convert_to_tensor(value, dtype=self._dtype)
         return getattr(self._value, method)(tf.cast(value, self._value.dtype))
 
-    increment._ks_original = original
     return increment
 
 
@@ -275,26 +271,35 @@ def _wrap_array(original: Callable) -> Callable:
             return original(self, dtype, *args, **kwargs)
         return np.asarray(self._value.numpy(), dtype=dtype)
 
-    __array__._ks_original = original
     return __array__
+
+
+_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
+_INCREMENT = "ParameterServerStrategy: one atomic update on the parameter server (workers lost increments)"
+_PATCHES = (
+    *((patches.declare(f"keras.src.backend.tensorflow.core.Variable.{name}", _INCREMENT),
+       functools.partial(_wrap_increment, method=name)) for name in ("assign_add", "assign_sub")),
+    (patches.declare("keras.src.backend.tensorflow.core.Variable.__array__", "ParameterServerStrategy: a variable "
+                     "split by a partitioner reads as one array (saving, get_weights)"), _wrap_array),
+    (patches.declare(f"{_TF_OPTIMIZER}.add_variable_from_reference", "ParameterServerStrategy: a split variable's "
+                     "slots are split by the same partitioner"), _wrap_add_variable_from_reference),
+    (patches.declare(f"{_TF_OPTIMIZER}._distributed_tf_update_step", "ParameterServerStrategy: a variable split by "
+                     "a partitioner is updated without colocation"), _wrap_distributed_update_step),
+)
+_GRADIENT = patches.declare(
+    "tensorflow.python.eager.backprop.GradientTape.gradient",
+    "ParameterServerStrategy with a partitioner: a split Keras variable gets one gradient, put together from its shards",
+    when="once a ParameterServerStrategy with a partitioner connects")
 
 
 def install_keras_hooks() -> None:
     """Installs, once, the Keras replacements for variables on the parameter servers; each
-    changes nothing for other variables (see `keras_hooks.REPLACED`)."""
-    variable = keras_tf_core.Variable
-    if hasattr(variable.assign_add, "_ks_original"):
-        return
-    variable.assign_add = _wrap_increment(variable.assign_add, "assign_add")
-    variable.assign_sub = _wrap_increment(variable.assign_sub, "assign_sub")
-    variable.__array__ = _wrap_array(variable.__array__)
-    cls = keras_tf_optimizer.TFOptimizer
-    cls.add_variable_from_reference = _wrap_add_variable_from_reference(cls.add_variable_from_reference)
-    cls._distributed_tf_update_step = _wrap_distributed_update_step(cls._distributed_tf_update_step)
+    changes nothing for other variables."""
+    for patch, wrap in _PATCHES:
+        patch.apply(wrap)
 
 
 def _install_sharded_gradients() -> None:
     """`tf.GradientTape.gradient` for Keras variables split by a partitioner, installed when a
     strategy with a partitioner connects (see `_wrap_gradient`)."""
-    if not hasattr(tf.GradientTape.gradient, "_ks_original"):
-        tf.GradientTape.gradient = _wrap_gradient(tf.GradientTape.gradient)
+    _GRADIENT.apply(_wrap_gradient)

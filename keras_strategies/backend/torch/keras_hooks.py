@@ -6,8 +6,8 @@ Replicas run the model statelessly (`stateless_call`), which a wrapped
 parameters. Keras' convolutions ask for a channels-last memory layout
 (`Tensor.contiguous(memory_format=...)`), which `torch.func.vmap` does not
 support (torch 2.13); the layout changes speed, never values, so inside a
-vectorised program the tensor stays as it is. Listed with the other
-replacements in `keras_strategies.keras_integration`.
+vectorised program the tensor stays as it is. Both are declared in the patch
+registry (`keras_strategies.backend.common.patches`).
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ from typing import Any, Callable
 
 import torch
 from keras.src.backend.common.stateless_scope import get_stateless_scope
-from keras.src.backend.torch import nn as keras_torch_nn
-from keras.src.utils.torch_utils import TorchModuleWrapper
 
+from keras_strategies.backend.common import patches
 from keras_strategies.backend.torch import module_buffers, vectorized
 
-# (Keras method, why), for the table of `keras_strategies.keras_integration`.
-REPLACED = (
-    ("keras.src.utils.torch_utils.TorchModuleWrapper.call",
-     "a wrapped torch.nn.Module runs on the replica's values of its parameters and buffers"),
-    ("keras.src.backend.torch.nn._maybe_convert_to_channels_last",
-     "no layout conversion inside a vectorised replica program (vmap cannot make one)"),
-)
+_MODULE_CALL = patches.declare("keras.src.utils.torch_utils.TorchModuleWrapper.call",
+                               "a wrapped torch.nn.Module runs on the replica's values of its parameters and buffers")
+_CHANNELS_LAST = patches.declare(
+    "keras.src.backend.torch.nn._maybe_convert_to_channels_last",
+    "no layout conversion inside a vectorised replica program (vmap cannot make one; the layout changes speed, "
+    "not values)", optional=True)  # Keras releases that convert
 
 
 def _wrap_channels_last(original: Callable) -> Callable:
@@ -36,7 +34,6 @@ def _wrap_channels_last(original: Callable) -> Callable:
     def convert(tensor):
         return tensor if vectorized.active() else original(tensor)
 
-    convert._ks_original = original
     return convert
 
 
@@ -63,20 +60,15 @@ def _wrap_torch_module_call(original: Callable, strategy_context: Any) -> Callab
             values.update(module_buffers.replica_copies(self, replica_context, rows))
         return torch.func.functional_call(self.module, values, args, kwargs, strict=False)
 
-    call._ks_original = original
     return call
 
 
 def install(strategy_context: Any) -> None:
-    """Replaces the methods of `REPLACED` (idempotent).
+    """Installs the replacements (idempotent).
 
     `strategy_context` answers `has_strategy()` and `get_replica_context()`
     (`keras_strategies.distribute.context`); it is passed in so that the engine
     depends on nothing outside `keras_strategies.backend`.
     """
-    if hasattr(TorchModuleWrapper.call, "_ks_original"):
-        return
-    TorchModuleWrapper.call = _wrap_torch_module_call(TorchModuleWrapper.call, strategy_context)
-    if hasattr(keras_torch_nn, "_maybe_convert_to_channels_last"):  # Keras versions that convert
-        keras_torch_nn._maybe_convert_to_channels_last = _wrap_channels_last(
-            keras_torch_nn._maybe_convert_to_channels_last)
+    _MODULE_CALL.apply(lambda original: _wrap_torch_module_call(original, strategy_context))
+    _CHANNELS_LAST.apply(_wrap_channels_last)

@@ -23,6 +23,7 @@ import keras
 import ray
 from ray import cloudpickle
 
+from keras_strategies.backend.common import patches
 from keras_strategies.backend.common.ray_parameter_server import actors, transport
 from keras_strategies.backend.common.ray_parameter_server.registry import Registry
 from keras_strategies.backend.common.remote_errors import (
@@ -31,6 +32,7 @@ from keras_strategies.backend.common.remote_errors import (
     parameter_server_device,
 )
 
+_WHEN = "while a model is built for Ray's parameter servers"
 _LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -386,39 +388,39 @@ def _no_runtime() -> None:
 
 _TRACKING: list = []
 _TRACKING_LOCK = threading.Lock()
+_TRACKED = (
+    (patches.declare("keras.src.backend.common.variables.Variable.__init__", "records the Keras variables a model "
+                     "builds for the parameter servers", when=_WHEN), "track_variable"),
+    (patches.declare("keras.src.optimizers.base_optimizer.BaseOptimizer.__init__", "records the optimizers a model "
+                     "builds for the parameter servers", when=_WHEN), "track_optimizer"),
+)
+
+
+def _tracking_init(method: str) -> Callable:
+    def wrap(original: Callable) -> Callable:
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            if _TRACKING:
+                getattr(_TRACKING[-1], method)(self)
+
+        return init
+
+    return wrap
 
 
 @contextlib.contextmanager
 def _tracking(registry: Registry) -> Iterator[None]:
     """Records the Keras variables and optimizers created inside in `registry`."""
-    from keras.src.backend.common import variables as common_variables
-    from keras.src.optimizers import base_optimizer
-
-    with _TRACKING_LOCK:
-        if not _TRACKING:
-            _patch(common_variables.Variable, "__init__", "track_variable")
-            _patch(base_optimizer.BaseOptimizer, "__init__", "track_optimizer")
-        _TRACKING.append(registry)
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
+        for patch, method in _TRACKED:
+            stack.enter_context(patch.applied(_tracking_init(method)))
         with _TRACKING_LOCK:
-            _TRACKING.remove(registry)
-            if not _TRACKING:
-                common_variables.Variable.__init__ = common_variables.Variable.__init__._ks_original
-                base_optimizer.BaseOptimizer.__init__ = base_optimizer.BaseOptimizer.__init__._ks_original
-
-
-def _patch(cls: type, name: str, method: str) -> None:
-    original = getattr(cls, name)
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        if _TRACKING:
-            getattr(_TRACKING[-1], method)(self)
-
-    init._ks_original = original
-    setattr(cls, name, init)
+            _TRACKING.append(registry)
+        try:
+            yield
+        finally:
+            with _TRACKING_LOCK:
+                _TRACKING.remove(registry)
 
 
 def _remote_traceback(error: BaseException) -> str:
