@@ -8,8 +8,12 @@ STAMP := $(VENV)/.installed
 KERAS_MIN_VENV := .venv-keras-min
 KERAS_MIN_PY := $(KERAS_MIN_VENV)/bin/python
 KERAS_MIN_STAMP := $(KERAS_MIN_VENV)/.installed
+# The next Keras, a pinned development build (requirements-keras-next.txt): `make test-keras-next`.
+KERAS_NEXT_VENV := .venv-keras-next
+KERAS_NEXT_PY := $(KERAS_NEXT_VENV)/bin/python
+KERAS_NEXT_STAMP := $(KERAS_NEXT_VENV)/.installed
 
-.PHONY: demo test test-gpu test-keras-min soak docs install clean
+.PHONY: demo test test-gpu test-keras-min test-keras-next soak docs install clean
 
 install: $(STAMP)
 
@@ -26,6 +30,17 @@ $(KERAS_MIN_STAMP): requirements-keras-min.txt pyproject.toml
 	$(KERAS_MIN_PY) -m pip install --quiet -r requirements-keras-min.txt
 	$(KERAS_MIN_PY) -m pip install --quiet --no-deps -e .
 	touch $(KERAS_MIN_STAMP)
+
+# keras-nightly installs the `keras` package under another name: TensorFlow's dependency on `keras`
+# brings a release beside it, which is removed, and the development build is laid down again.
+$(KERAS_NEXT_STAMP): requirements-keras-next.txt pyproject.toml
+	test -x $(KERAS_NEXT_PY) || $(PYTHON) -m venv $(KERAS_NEXT_VENV)
+	$(KERAS_NEXT_PY) -m pip install --quiet --upgrade pip
+	$(KERAS_NEXT_PY) -m pip install --quiet -r requirements-keras-next.txt
+	$(KERAS_NEXT_PY) -m pip uninstall --quiet --yes keras
+	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps --force-reinstall $$(grep '^keras-nightly==' requirements-keras-next.txt)
+	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps -e .
+	touch $(KERAS_NEXT_STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
@@ -44,6 +59,10 @@ test: docs $(KERAS_MIN_STAMP)
 test-keras-min: $(KERAS_MIN_STAMP)
 	KS_TEST_BACKENDS=jax-keras-min KS_TEST_KERAS_MIN_PYTHON=$(CURDIR)/$(KERAS_MIN_PY) $(KERAS_MIN_PY) scripts/test_all_backends.py
 
+# The whole suite, every backend, on the next Keras (a pinned development build).
+test-keras-next: $(KERAS_NEXT_STAMP)
+	$(KERAS_NEXT_PY) scripts/test_all_backends.py
+
 # The soak test (random workers killed under the launcher's --max-restarts), five new kill
 # plans on every backend; `make test` runs one, on PyTorch (KS_SOAK_BACKENDS).
 soak: $(STAMP)
@@ -58,4 +77,4 @@ test-gpu: $(STAMP)
 		$(PY) scripts/test_all_backends.py -m gpu
 
 clean:
-	rm -rf $(VENV) $(KERAS_MIN_VENV) site
+	rm -rf $(VENV) $(KERAS_MIN_VENV) $(KERAS_NEXT_VENV) site

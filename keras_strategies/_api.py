@@ -12,6 +12,7 @@ _check_keras()
 from keras_strategies import cluster_resolver  # noqa: E402  (and the imports below)
 from keras_strategies import coordinator
 from keras_strategies import experimental
+from keras_strategies import layers
 from keras_strategies.distribute import missing_names as _missing
 from keras_strategies.distribute import devices as _devices
 from keras_strategies import keras_integration as _keras_integration
@@ -93,6 +94,7 @@ __all__ = [
     "coordinator",
     "compute_average_loss",
     "experimental",
+    "layers",
     "experimental_connect_to_cluster",
     "experimental_set_strategy",
     "function",

@@ -94,6 +94,7 @@ _PROCESS_TESTS = (
     "tests/strategies/test_parameter_server.py::test_ray_",
     "tests/coordinator/",
     "tests/bench/",
+    "tests/keras_integration/test_plain_keras.py::",
 )
 
 

@@ -30,6 +30,7 @@ MODULES = {
     "keras_strategies.experimental": ks.experimental,
     "keras_strategies.experimental.partitioners": ks.experimental.partitioners,
     "keras_strategies.cluster_resolver": ks.cluster_resolver,
+    "keras_strategies.layers": ks.layers,
     "keras_strategies.launch": launch_module,
 }
 PUBLIC = [(module_path, name) for module_path, module in MODULES.items() for name in module.__all__]
@@ -120,7 +121,8 @@ def test_every_directive_names_an_object():
 
 def test_reference_pages_are_the_expected_ones():
     expected = {"index.md", "strategies.md", "distribute.md", "training.md", "input.md",
-                "multi_worker.md", "cluster_resolver.md", "experimental.md", "launcher.md"}
+                "multi_worker.md", "cluster_resolver.md", "experimental.md", "launcher.md", "layers.md",
+                "keras-patches.md"}
     assert {p.name for p in REFERENCE.glob("*.md")} == expected
 
 

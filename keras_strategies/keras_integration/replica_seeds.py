@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 from keras import ops
-from keras.src.backend import standardize_dtype
+from keras.backend import standardize_dtype
 
 from keras_strategies.backend.common import patches
 from keras_strategies.distribute import context

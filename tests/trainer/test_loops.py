@@ -268,10 +268,18 @@ def test_per_batch_logs_equal_one_device(strategy):
     np.testing.assert_allclose(got.losses, expected.losses, **TOL)
 
 
+def batch_normalization(synchronized, **kwargs):
+    """Keras' layer with `synchronized=True` in a strategy's scope; outside every scope (the
+    one-device reference), where Keras refuses the argument off TensorFlow, ks' layer."""
+    if synchronized and not ks.has_strategy():
+        return ks.layers.SyncBatchNormalization(**kwargs)
+    return keras.layers.BatchNormalization(synchronized=synchronized, **kwargs)
+
+
 def batch_norm_model(synchronized, kernel_size=3, model_class=keras.Model):
     inputs = keras.Input((4, 4, 2))
     hidden = keras.layers.Conv2D(3, kernel_size, padding="same", use_bias=False)(inputs)
-    hidden = keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5)(hidden)
+    hidden = batch_normalization(synchronized, momentum=0.5)(hidden)
     hidden = keras.layers.ReLU()(hidden)
     outputs = keras.layers.Dense(1)(keras.layers.Flatten()(hidden))
     model = model_class(inputs, outputs)
@@ -320,9 +328,16 @@ def test_unsynchronized_batch_norm_uses_per_replica_statistics():
     assert_moving_statistics_average_the_replicas()
 
 
-def test_synchronized_batch_norm_works_outside_strategies_on_every_backend():
-    model = batch_norm_model(True)
+def test_sync_batch_normalization_works_outside_strategies_on_every_backend():
+    """On one device its statistics are the batch's own, as plain BatchNormalization's."""
     x = np.random.default_rng(0).normal(size=(4, 4, 4, 2)).astype("float32")
+    sync, plain = ks.layers.SyncBatchNormalization(momentum=0.5), keras.layers.BatchNormalization(momentum=0.5)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(sync(x, training=True)),
+                               keras.ops.convert_to_numpy(plain(x, training=True)), atol=1e-6)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(sync.moving_variance),
+                               keras.ops.convert_to_numpy(plain.moving_variance), atol=1e-6)
+    model = batch_norm_model(True)
+    assert isinstance(model.layers[2], ks.layers.SyncBatchNormalization) and model.layers[2].synchronized
     model.fit(x, np.zeros((4, 1), "float32"), epochs=1, verbose=0)
 
 

@@ -37,7 +37,9 @@ def _model(dropout=0.0, batch_norm=False):
     if dropout:
         layers.append(keras.layers.Dropout(dropout, seed=4))
     if batch_norm:  # synchronized: the global batch's statistics, as on one device
-        layers.append(keras.layers.BatchNormalization(synchronized=True))
+        # In a strategy's scope Keras' layer; outside every scope (the one-device run) ks' layer.
+        layers.append(keras.layers.BatchNormalization(synchronized=True) if ks.has_strategy()
+                      else ks.layers.SyncBatchNormalization())
     return keras.Sequential(layers + [keras.layers.Dense(1)])
 
 

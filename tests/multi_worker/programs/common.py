@@ -32,13 +32,23 @@ class BatchPenalty(keras.layers.Layer):
         return inputs
 
 
+def batch_normalization(synchronized):
+    """Keras' layer with `synchronized=True` in a strategy's scope; outside every scope (the
+    one-device reference), where Keras refuses the argument off TensorFlow, ks' layer."""
+    import keras_strategies as ks
+
+    if synchronized and not ks.has_strategy():
+        return ks.layers.SyncBatchNormalization()
+    return keras.layers.BatchNormalization(synchronized=synchronized)
+
+
 def build_penalty_model():
     """Synchronized BatchNormalization and a data-dependent `add_loss` term, which padding rows
     would enter: on JAX its steps on uneven shards run eagerly, on unpadded shards."""
     model = keras.Sequential([
         keras.Input((5,)),
         keras.layers.Dense(8, use_bias=False),
-        keras.layers.BatchNormalization(synchronized=True),
+        batch_normalization(True),
         keras.layers.Activation("tanh"),
         BatchPenalty(),
         keras.layers.Dense(1),
@@ -65,7 +75,7 @@ def build_sync_bn_model(synchronized=True):
         keras.Input((5,)),
         # No bias before BatchNormalization: its gradient is rounding noise, which Adam would amplify.
         keras.layers.Dense(8, use_bias=False),
-        keras.layers.BatchNormalization(synchronized=synchronized),
+        batch_normalization(synchronized),
         keras.layers.Activation("tanh"),
         keras.layers.Dense(1),
     ])
