@@ -53,6 +53,8 @@ def rows() -> list:
     return [
         {
             "target": p.target,
+            "declared": p.declared or p.target,
+            "optional": p.optional,
             "module": p.module,
             "why": p.why,
             "when": p.when,
@@ -106,9 +108,9 @@ def table(dumps: dict) -> str:
     merged: dict = {}
     for backend, backend_rows in dumps.items():
         for row in backend_rows:
-            entry = merged.setdefault((row["target"], row["module"]), dict(row, backends=[], own=[]))
-            if row["present"]:
-                entry["backends"].append(backend)
+            # Listed by the path the module names, on the backends that declare it, whatever the release.
+            entry = merged.setdefault((row["declared"], row["module"]), dict(row, backends=[], own=[]))
+            entry["backends"].append(backend)
             if row["inherited_from"] and row["inherited_from"] not in entry["own"]:
                 entry["own"].append(row["inherited_from"])
     lines = [
@@ -118,6 +120,8 @@ def table(dumps: dict) -> str:
     for (target, module), row in merged.items():
         backends = ", ".join(row["backends"]) if len(row["backends"]) < len(BACKENDS) else "all"
         name = f"`{_display(target)}`"
+        if row["optional"]:
+            name += " (where the release has it)"
         if len(row["own"]) == 1:
             name += f" (Keras' own: `{row['own'][0].removeprefix('keras.src.')}`)"
         elif row["own"]:  # one class per backend: name them by class

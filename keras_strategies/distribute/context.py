@@ -90,6 +90,11 @@ def frames_installed(frames: list) -> Iterator[None]:
         _stack.frames = saved
 
 
+def strategy_of(obj: Any) -> Optional["Strategy"]:
+    """The strategy `obj` (a model or variable) was created under, or `None` (set by the ownership hooks)."""
+    return getattr(obj, "_ks_strategy", None)
+
+
 def get_strategy() -> Strategy:
     """The current strategy: the innermost scope's, else the default strategy.
 

@@ -15,7 +15,7 @@ import re
 from typing import Any, Optional
 
 import numpy as np
-from keras.src import backend as keras_backend
+import keras
 
 _SUFFIX = ".npz"
 
@@ -68,7 +68,7 @@ class Checkpoint:
         values = {}
         for name in self._objects:
             for i, variable in enumerate(self._variables(name)):
-                values[f"{name}/{i}"] = np.asarray(keras_backend.convert_to_numpy(variable.value))
+                values[f"{name}/{i}"] = np.asarray(keras.ops.convert_to_numpy(variable.value))
         directory = os.path.dirname(os.path.abspath(file_prefix))
         os.makedirs(directory, exist_ok=True)
         pending = f"{file_prefix}.pending{_SUFFIX}"

@@ -21,14 +21,14 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import numpy as np
-from keras.src import backend as keras_backend
+import keras
 from keras.src import tree
 
 _last_source: Optional[tuple] = None  # (signature, one-row structure) of the last batch with rows
 
 
 def _as_array(leaf: Any) -> np.ndarray:
-    return np.asarray(keras_backend.convert_to_numpy(leaf))
+    return np.asarray(keras.ops.convert_to_numpy(leaf))
 
 
 def _signature(structure: Any) -> tuple:

@@ -11,18 +11,15 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator
 
+
 from keras_strategies.distribute import context
 from keras_strategies.backend.common import patches, replica_variables
 
 # Model methods whose work runs under the model's strategy.
 KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 
-_STRATEGY_ATTR = "_ks_strategy"
-
-
-def strategy_of(obj: Any):
-    """The strategy `obj` (a model or variable) was created under, or `None`."""
-    return getattr(obj, _STRATEGY_ATTR, None)
+_STRATEGY_ATTR = "_ks_strategy"  # read by `context.strategy_of`
+strategy_of = context.strategy_of
 
 
 def _record_current_strategy(obj: Any) -> None:
@@ -140,10 +137,15 @@ def _wrap_method(name: str, original: Callable) -> Callable:
     return method
 
 
-_TRAINER, _MODEL = "keras.src.trainers.trainer.Trainer", "keras.src.models.model.Model"
-_TRAINER_INIT = patches.declare(f"{_TRAINER}.__init__", "a model remembers the strategy it was created under")
-# On Trainer itself: Keras' `compile_from_config` compares `cls.compile` with `Trainer.compile`.
-_COMPILE = patches.declare(f"{_TRAINER}.compile", "a model is compiled under the strategy it was created under")
+# Keras 3.16 renamed the class that every backend's trainer derives from to `BaseTrainer`.
+_TRAINER = "keras.src.trainers.trainer.Trainer"
+_BASE_TRAINER = "keras.src.trainers.trainer.BaseTrainer"
+_MODEL = "keras.src.models.model.Model"
+_TRAINER_INIT = patches.declare(f"{_TRAINER}.__init__", "a model remembers the strategy it was created under",
+                                moved=(f"{_BASE_TRAINER}.__init__",))
+# On the base trainer itself: Keras' `compile_from_config` compares `cls.compile` with its `compile`.
+_COMPILE = patches.declare(f"{_TRAINER}.compile", "a model is compiled under the strategy it was created under",
+                           moved=(f"{_BASE_TRAINER}.compile",))
 _VARIABLE_INIT = patches.declare(
     "keras.src.backend.common.variables.Variable.__init__",
     "a variable remembers its strategy; one made inside `strategy.run` is made as in `scope()`, shared by the replicas")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from keras import ops
-from keras.src import backend as keras_backend
+import keras
 from keras.src import tree
 
 from keras_strategies.backend import engine
@@ -36,7 +36,7 @@ from keras_strategies.distribute.values import PerReplica, is_distributed
 
 
 def _to_numpy(value: Any) -> np.ndarray:
-    return np.asarray(keras_backend.convert_to_numpy(value))
+    return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 def join_cluster(cluster: WorkerCluster, options: CommunicationOptions) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 from keras import ops
-from keras.src import backend as keras_backend
+import keras
 from keras.src import tree
 
 from keras_strategies.backend import engine
@@ -28,7 +28,7 @@ STOPPED = object()
 
 
 def _numpy(value: Any) -> np.ndarray:
-    return np.asarray(keras_backend.convert_to_numpy(value))
+    return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 # The batch size travels as base-64 digits and their squares: float32 sums of those stay exact

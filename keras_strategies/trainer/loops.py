@@ -13,7 +13,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from keras.src import backend as keras_backend
+import keras
 from keras.src import callbacks as callbacks_module
 from keras.src import optimizers as optimizers_module
 from keras.src import tree
@@ -331,7 +331,7 @@ def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, cal
             if results is None:
                 break
             for result in results:
-                batch_outputs = tree.map_structure(keras_backend.convert_to_numpy, result)
+                batch_outputs = tree.map_structure(keras.ops.convert_to_numpy, result)
                 if outputs is None:
                     outputs = tree.map_structure(lambda output: [output], batch_outputs)
                 else:
@@ -380,7 +380,7 @@ def predict_on_batch(model, strategy, x):
     _require_rows(x, "predict_on_batch")
     strategy.extended._sync_variables_from_chief()
     outputs = replica_step(model, strategy).predict_step((x,))
-    return tree.map_structure(keras_backend.convert_to_numpy, outputs)
+    return tree.map_structure(keras.ops.convert_to_numpy, outputs)
 
 
 def _settling(loop: Any) -> Any:

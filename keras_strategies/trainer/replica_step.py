@@ -261,7 +261,7 @@ class ReplicaStep:
         self._padding_enters[kind] = self._padding_enters.get(kind, False) or bool(
             len(losses) > count or context.get_replica_context()._scalar_loss or _overrides_compute_loss(model)
         )
-        weights = ops.cast(weights, keras_backend.standardize_dtype(total.dtype))  # a float64 model's loss too
+        weights = ops.cast(weights, keras.backend.standardize_dtype(total.dtype))  # a float64 model's loss too
         objective = (total - penalty) * weights[0] + penalty * weights[1]
         return objective * weights[2], (objective, (y_pred, _output_masks(y_pred)), new_non_trainable)
 
@@ -778,7 +778,7 @@ class _OverlappedExchange:
         bucket_bytes = options.bytes_per_pack or gradient_buckets.DEFAULT_BUCKET_BYTES
         layout = step._bucket_layouts.get(bucket_bytes)
         if layout is None:
-            dtypes = [keras_backend.standardize_dtype(v.dtype) for v in trainable]
+            dtypes = [keras.backend.standardize_dtype(v.dtype) for v in trainable]
             nbytes = [int(np.prod(v.shape)) * np.dtype(d).itemsize for v, d in zip(trainable, dtypes)]
             layout = step._bucket_layouts[bucket_bytes] = gradient_buckets.layout(dtypes, nbytes, bucket_bytes)
         # The step's exchange, kept where the last bucket finds it: the buckets must not refer to

@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from keras.src import backend as keras_backend
+import keras
 
 from keras_strategies.trainer.cross_worker import Exchange
 
 
 def _numpy(value: Any) -> np.ndarray:
-    return np.asarray(keras_backend.convert_to_numpy(value))
+    return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 def _parts(model: Any, kind: str) -> tuple[list, list]:

@@ -47,7 +47,8 @@ class Patch:
     `when` says when it is in place ("import" for good; otherwise the
     circumstance); `optional` replacements are skipped where the installed
     release lacks the attribute; `aliases` are public modules whose binding of
-    the same function is replaced too.
+    the same function is replaced too; `declared` is the path the module names
+    (`target` is where the installed release keeps it, see `declare(moved=...)`).
     """
 
     target: str
@@ -56,6 +57,7 @@ class Patch:
     when: str = "import"
     optional: bool = False
     aliases: tuple = ()
+    declared: str = ""
     _original: Optional[Callable] = dataclasses.field(default=None, repr=False)
     _wrapper: Optional[Callable] = dataclasses.field(default=None, repr=False)
     _depth: int = dataclasses.field(default=0, repr=False)
@@ -84,7 +86,10 @@ class Patch:
 
     def current(self) -> Optional[Callable]:
         """What the target is bound to now (None where the release lacks it)."""
-        owner, name = self._owner_and_name()
+        try:
+            owner, name = self._owner_and_name()
+        except (ImportError, AttributeError):
+            return None
         if inspect.isclass(owner):
             for cls in owner.__mro__:
                 if name in vars(cls):
@@ -101,6 +106,8 @@ class Patch:
 
     def inherited_from(self) -> Optional[str]:
         """The class that defines Keras' method where the target's class only inherits it."""
+        if self.current() is None:
+            return None
         owner, name = self._owner_and_name()
         if not inspect.isclass(owner):
             return None
@@ -123,12 +130,12 @@ class Patch:
             self._depth = max(self._depth, 1)
 
     def _install(self, wrap: Callable) -> None:
-        owner, name = self._owner_and_name()
         original = self.current()
         if original is None:
             if self.optional:
                 return
             raise AttributeError(f"{self.target} does not exist in this release; {self.module} replaces it")
+        owner, name = self._owner_and_name()
         wrapper = wrap(original)
         wrapper._ks_original = original
         self._inherited = inspect.isclass(owner) and name not in vars(owner)
@@ -185,13 +192,22 @@ class Patch:
         return fingerprint(self.keras_function())
 
 
-def declare(target: str, why: str, *, when: str = "import", optional: bool = False, aliases: tuple = ()) -> Patch:
-    """Records that the calling module replaces `target` (idempotent per target and module)."""
+def declare(target: str, why: str, *, when: str = "import", optional: bool = False, aliases: tuple = (),
+            moved: tuple = ()) -> Patch:
+    """Records that the calling module replaces `target` (idempotent per target and module).
+
+    `moved` names where other Keras releases keep the same function: the first path that
+    exists in the installed release is the one replaced.
+    """
     module = sys._getframe(1).f_globals.get("__name__", "?")
+    declared = target
+    if moved:
+        target = next((path for path in (target, *moved) if Patch(path, why, module).current() is not None), target)
     key = (target, module)
     with _LOCK:
         if key not in _REGISTRY:
-            _REGISTRY[key] = Patch(target, why, module, when=when, optional=optional, aliases=tuple(aliases))
+            _REGISTRY[key] = Patch(target, why, module, when=when, optional=optional, aliases=tuple(aliases),
+                                   declared=declared)
         return _REGISTRY[key]
 
 

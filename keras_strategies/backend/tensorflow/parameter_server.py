@@ -275,11 +275,12 @@ def _wrap_array(original: Callable) -> Callable:
 
 
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
+_TF_VARIABLE = "keras.src.backend.tensorflow.Variable"  # the class Keras' backend package exports, wherever it lives
 _INCREMENT = "ParameterServerStrategy: one atomic update on the parameter server (workers lost increments)"
 _PATCHES = (
-    *((patches.declare(f"keras.src.backend.tensorflow.core.Variable.{name}", _INCREMENT),
+    *((patches.declare(f"{_TF_VARIABLE}.{name}", _INCREMENT),
        functools.partial(_wrap_increment, method=name)) for name in ("assign_add", "assign_sub")),
-    (patches.declare("keras.src.backend.tensorflow.core.Variable.__array__", "ParameterServerStrategy: a variable "
+    (patches.declare(f"{_TF_VARIABLE}.__array__", "ParameterServerStrategy: a variable "
                      "split by a partitioner reads as one array (saving, get_weights)"), _wrap_array),
     (patches.declare(f"{_TF_OPTIMIZER}.add_variable_from_reference", "ParameterServerStrategy: a split variable's "
                      "slots are split by the same partitioner"), _wrap_add_variable_from_reference),

@@ -44,7 +44,7 @@ def torch_device(name: str) -> str:
 @contextlib.contextmanager
 def device_scope(name: str) -> Iterator[None]:
     """Makes Keras create tensors and variables on device `name`."""
-    from keras.src.backend.torch.core import device_scope as keras_device_scope
+    from keras.src.backend.torch import device_scope as keras_device_scope
 
     with keras_device_scope(torch_device(name)):
         yield

@@ -26,7 +26,22 @@ _MODULE_CALL = patches.declare("keras.src.utils.torch_utils.TorchModuleWrapper.c
 _CHANNELS_LAST = patches.declare(
     "keras.src.backend.torch.nn._maybe_convert_to_channels_last",
     "no layout conversion inside a vectorised replica program (vmap cannot make one; the layout changes speed, "
-    "not values)", optional=True)  # Keras releases that convert
+    "not values)", optional=True,  # Keras releases that convert
+    moved=("keras.src.backend.torch.ops.nn._maybe_convert_to_channels_last",))
+# Keras 3.16's own data parallelism on PyTorch: when `torch.distributed` is initialised (as a
+# ks multi-worker strategy initialises it) Keras wraps the model in DDP and sums every metric
+# variable over the processes. A model of a ks strategy already exchanges its gradients and holds
+# global metric state, so for it both are Keras' single-process behaviour.
+_TORCH_TRAINER = "keras.src.backend.torch.trainer.Trainer"
+_INITIALIZE_DDP = patches.declare(f"{_TORCH_TRAINER}._initialize_ddp", "a model of a strategy is not wrapped in "
+                                  "Keras' DDP: the strategy exchanges its gradients (Keras 3.16)", optional=True)
+_METRICS_RESULT = patches.declare(f"{_TORCH_TRAINER}.get_metrics_result", "a model of a strategy holds global "
+                                  "metric state: Keras' sum over the processes would count it once per worker "
+                                  "(Keras 3.16)", optional=True)
+_POOLING_LAYOUT = patches.declare(
+    "keras.src.backend.torch.ops.nn._transpose_spatial_inputs",
+    "pooling inputs keep the default layout inside a vectorised replica program (vmap cannot clone into "
+    "channels-last; Keras 3.16 asks for it)", optional=True)
 
 
 def _wrap_channels_last(original: Callable) -> Callable:
@@ -35,6 +50,42 @@ def _wrap_channels_last(original: Callable) -> Callable:
         return tensor if vectorized.active() else original(tensor)
 
     return convert
+
+
+def _single_process_for_strategy_models(strategy_context: Any, keras_single_process: Callable) -> Callable:
+    """Keras' method for other models, `keras_single_process` for a model created under a strategy."""
+
+    def wrap(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            if strategy_context.strategy_of(self) is None:
+                return original(self, *args, **kwargs)
+            return keras_single_process(self, *args, **kwargs)
+
+        return method
+
+    return wrap
+
+
+def _no_ddp(model: Any) -> None:
+    return None
+
+
+def _base_metrics_result(model: Any) -> dict:
+    """The method of the class Keras' PyTorch trainer derives from: the metrics without a sum over processes."""
+    from keras.src.backend.torch import trainer  # noqa: PLC0415 - the releases with this hook
+
+    return super(trainer.Trainer, model).get_metrics_result()
+
+
+def _wrap_pooling_layout(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def transpose(inputs, **kwargs):
+        if vectorized.active():
+            kwargs.pop("channels_last_memory_format", None)
+        return original(inputs, **kwargs)
+
+    return transpose
 
 
 def _wrap_torch_module_call(original: Callable, strategy_context: Any) -> Callable:
@@ -72,3 +123,6 @@ def install(strategy_context: Any) -> None:
     """
     _MODULE_CALL.apply(lambda original: _wrap_torch_module_call(original, strategy_context))
     _CHANNELS_LAST.apply(_wrap_channels_last)
+    _POOLING_LAYOUT.apply(_wrap_pooling_layout)
+    _INITIALIZE_DDP.apply(_single_process_for_strategy_models(strategy_context, _no_ddp))
+    _METRICS_RESULT.apply(_single_process_for_strategy_models(strategy_context, _base_metrics_result))
