@@ -1,6 +1,10 @@
-"""The package's dependency rules: engines use only `backend/`, and no module imports itself back."""
+"""The package's dependency rules: engines use only `backend/`, shared code reads an engine only
+through its contract (`backend/contract.py`) and never branches on the backend's name, and no
+module imports itself back."""
 
 import ast
+import dataclasses
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "keras_strategies"
@@ -86,3 +90,77 @@ def test_no_import_cycles():
 def test_the_top_level_holds_the_public_api_only():
     top = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert top == ["__init__.py", "_api.py", "_version.py", "experimental.py", "launch.py"]
+
+
+ENGINE_PACKAGES = ("tensorflow", "jax", "torch")
+
+
+def _shared_modules() -> list:
+    """Every module outside the engine packages (`backend/common` included: it is shared too)."""
+    return [path for path in PACKAGE.rglob("*.py")
+            if path.relative_to(PACKAGE).parts[:2] not in {("backend", name) for name in ENGINE_PACKAGES}]
+
+
+def _contract():
+    """The contract module, read without importing a backend (`contract.py` imports only `backend/common`)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("_contract_for_layout", PACKAGE / "backend" / "contract.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shared_code_reads_engine_names_only_through_the_contract():
+    contract = _contract()
+    capabilities = {field.name for field in dataclasses.fields(contract.Capabilities)}
+    for path in _shared_modules():
+        where = path.relative_to(PACKAGE.parent)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "engine"):
+                continue
+            module, name = node.value.attr, node.attr
+            if module == "capabilities":
+                assert name in capabilities, f"{where}:{node.lineno} reads engine.capabilities.{name}, not a capability"
+            else:
+                assert module in contract.MODULES, f"{where}:{node.lineno} reads engine.{module}, not an engine module"
+                assert name in contract.names(module), (
+                    f"{where}:{node.lineno} reads engine.{module}.{name}, which the contract does not declare")
+        for name in _imports(path):
+            assert name.split(".")[:3] not in [["keras_strategies", "backend", engine] for engine in ENGINE_PACKAGES], (
+                f"{where} imports {name}: shared code reads engines as `keras_strategies.backend.engine`")
+        text = path.read_text()
+        for engine in ENGINE_PACKAGES:
+            assert not re.search(rf"keras_strategies\.backend\.{engine}\b", text) or where.parts[1:3] == (
+                "backend", "common"), f"{where} names the {engine} engine's package"
+
+
+def _names_a_backend(node: ast.AST) -> bool:
+    """`keras.backend.backend()` or `backend_name()`."""
+    return any(isinstance(part, ast.Call) and (getattr(part.func, "attr", None) == "backend" or getattr(
+        part.func, "id", None) in ("backend", "backend_name")) for part in ast.walk(node))
+
+
+def _branches_on_a_backend(compare: ast.Compare) -> bool:
+    """A comparison of the backend's name, or of a variable called `backend` with a string."""
+    sides = [compare.left, *compare.comparators]
+    strings = any(isinstance(part, ast.Constant) and isinstance(part.value, str) for side in sides
+                  for part in ast.walk(side))
+    variable = any(getattr(side, "id", getattr(side, "attr", None)) == "backend" for side in sides)
+    return any(_names_a_backend(side) for side in sides) or (variable and strings)
+
+
+def test_no_branch_on_the_backend_name_outside_the_engines():
+    for path in _shared_modules():
+        if path == PACKAGE / "backend" / "__init__.py":  # where the engine is chosen
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            assert not _branches_on_a_backend(node), (
+                f"{path.relative_to(PACKAGE.parent)}:{node.lineno} branches on the backend "
+                f"({ast.unparse(node)}): give the engine a capability (backend/contract.py) instead")

@@ -23,9 +23,9 @@ from keras_strategies.coordinator.cluster_coordinator import ClusterCoordinator,
 
 def experimental_get_current_worker_index() -> Any:
     """The index of the worker that runs the current scheduled function (call it inside one)."""
-    from keras_strategies.distribute.server import parameter_server_engine
+    from keras_strategies.backend import engine
 
-    return parameter_server_engine().current_worker_index()
+    return engine.parameter_server.current_worker_index()
 
 
 __all__ = ["ClusterCoordinator", "PerWorkerValues", "RemoteValue", "experimental_get_current_worker_index"]

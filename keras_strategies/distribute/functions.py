@@ -78,7 +78,7 @@ def function(fn: Callable[..., Any]) -> Callable[..., Any]:
         >>> losses = [float(train_step(x, y)) for x, y in strategy.experimental_distribute_dataset(dataset)]
     """
     compiled = engine.compiler.compile_step(fn)
-    whole = TracedFunction(fn, eager=compiled) if engine.compiler.TRACES_CUSTOM_STEPS else compiled
+    whole = TracedFunction(fn, eager=compiled) if engine.capabilities.traces_custom_steps else compiled
 
     @functools.wraps(fn)
     def step(*args: Any, **kwargs: Any) -> Any:

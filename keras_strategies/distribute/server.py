@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Optional
 
-from keras_strategies.backend import backend_name
-
-
-def parameter_server_engine() -> Any:
-    """The backend's parameter-server engine module (`backend/<name>/parameter_server.py`).
-
-    Looked up when first needed: the Ray engine of JAX and PyTorch imports Ray only when a
-    runtime starts, and says what to install when it is missing.
-    """
-    return importlib.import_module(f"keras_strategies.backend.{backend_name()}.parameter_server")
+from keras_strategies.backend import engine
 
 
 class Server:
@@ -60,7 +50,7 @@ class Server:
                     f"{spec.num_tasks(job_name)} task(s)."
                 )
             definition = spec
-        self._server = parameter_server_engine().serve(definition, job_name, task_index, protocol, config, start)
+        self._server = engine.parameter_server.serve(definition, job_name, task_index, protocol, config, start)
 
     def start(self) -> None:
         """Starts serving (when created with `start=False`)."""

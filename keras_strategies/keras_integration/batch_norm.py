@@ -73,7 +73,7 @@ def _wrap_moments(original: Callable) -> Callable:
                 # Keras' statistics of no rows are NaN (0 / 0), and the normalisation's gradient
                 # for `gamma` multiplies the mean by a sum of no rows: NaN * 0 would reach the update.
                 return _replica_moments(self, inputs, mask, replica_context, synchronized=False)
-        if self.synchronized and not engine.replicas.NATIVE_SYNC_BATCH_NORM:
+        if self.synchronized and not engine.capabilities.native_sync_batch_norm:
             # One replica: the global statistics are the local ones.
             self.synchronized = False
             try:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Optional
 
+from keras_strategies.backend import engine
 from keras_strategies.cluster_resolver import TFConfigClusterResolver
 from keras_strategies.cluster_resolver.roles import validate_parameter_server_config
 from keras_strategies.distribute import context
 from keras_strategies.distribute.reduce_op import ReduceOp
-from keras_strategies.distribute.server import parameter_server_engine
 from keras_strategies.distribute.strategy import Strategy, StrategyExtended
 from keras_strategies.keras_integration.optimizer_hooks import direct_update
 
@@ -114,9 +114,8 @@ class ParameterServerStrategy(Strategy):
                 "variable_partitioner must be None or a partitioner (a callable such as "
                 f"ks.experimental.partitioners.FixedShardsPartitioner(2)), got {variable_partitioner!r}."
             )
-        engine = parameter_server_engine()
-        runtime = engine.connect(spec, resolver.task_type, resolver.task_id, variable_partitioner,
-                                 getattr(resolver, "rpc_layer", None))
+        runtime = engine.parameter_server.connect(spec, resolver.task_type, resolver.task_id, variable_partitioner,
+                                                  getattr(resolver, "rpc_layer", None))
         self._cluster_resolver = resolver
         self._variable_partitioner = variable_partitioner
         super().__init__(ParameterServerExtended(self, runtime, spec))

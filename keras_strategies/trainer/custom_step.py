@@ -68,7 +68,7 @@ class CustomStep:
         if self._compiles(kind, shards):
             try:
                 results = self._run_compiled(kind, pieces, sizes[0] / batch)
-            except engine.trainer.UNTRACEABLE_ERRORS as error:
+            except engine.capabilities.untraceable_errors as error:
                 self._eager_kinds[kind] = error
                 warnings.warn(
                     f"The model's own {kind}_step could not be compiled ({type(error).__name__}: "
@@ -88,7 +88,7 @@ class CustomStep:
         snapshot = keras_state.capture()
         devices = [self.devices[i] for i in active]
         # Stateful steps (TF, torch) write the variables themselves; JAX's return new states.
-        writes = self.strategy.extended._replica_writes(devices, record=engine.trainer.STATEFUL_STEPS)
+        writes = self.strategy.extended._replica_writes(devices, record=engine.capabilities.stateful_steps)
 
         def replica(k, *_):
             i = active[k]
@@ -120,7 +120,7 @@ class CustomStep:
         last bit).
         """
         return (
-            not engine.trainer.STATEFUL_STEPS
+            not engine.capabilities.stateful_steps
             and not self.model.run_eagerly
             and not shards.uneven
             and shards.sizes[0] > 0

@@ -1,7 +1,7 @@
 """Multi-worker train and test steps whose cross-worker exchange runs inside their compiled program.
 
 Where the engine's cross-worker collectives are ops of its compiled programs
-(`engine.compiler.EXCHANGES_IN_PROGRAM`: TensorFlow's `CollectiveReduceV2`), a
+(`engine.capabilities.exchanges_in_program`: TensorFlow's `CollectiveReduceV2`), a
 train step of several workers runs as one program instead of the replica
 program, a host-packed exchange (`ReplicaStep._exchange`) and the update (a
 test step likewise, without gradients, update and non-trainable values):
@@ -58,7 +58,7 @@ class ExchangeInProgram:
         """
         step = self._step
         return bool(
-            engine.compiler.EXCHANGES_IN_PROGRAM and step._compiled and step.reduce_in_program
+            engine.capabilities.exchanges_in_program and step._compiled and step.reduce_in_program
             and step.num_workers > 1 and not (kind == "train" and step._overlaps_backward()) and shards.global_input
             and step.strategy.num_replicas_in_sync <= shards.batch <= step._rows_capacity
             and not step._eager_fallback(kind, shards) and _travel_as_float32(shards)

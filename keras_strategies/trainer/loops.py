@@ -108,7 +108,7 @@ def _reads_backend_pipeline(strategy: Any, shuffle: bool) -> bool:
     states they take from the chief (JAX, torch), or TensorFlow's global seed
     for `tf.data`; else NumPy's order, drawn from the chief's RNG states.
     """
-    if not (shuffle or engine.trainer.PIPELINE_DRAWS_RNG):
+    if not (shuffle or engine.capabilities.pipeline_draws_rng):
         return False
     return strategy.extended._num_workers == 1 or strategy.extended._same_on_every_worker(
         engine.trainer.pipeline_order_seed()
@@ -121,13 +121,13 @@ def _symbolic_build(model: Any, kind: str, **batch: Any) -> None:
     A model with its own step and no forward pass (a GAN that holds its
     generator and discriminator) cannot be built that way. Keras' own
     TensorFlow trainer does not try (it builds when the step is first traced),
-    so where Keras defers (`engine.trainer.DEFERS_BUILD`) such a model runs
+    so where Keras defers (`engine.capabilities.defers_build`) such a model runs
     its step unbuilt, as it does without a strategy.
     """
     try:
         model._symbolic_build(**batch)
     except RuntimeError:
-        if not (engine.trainer.DEFERS_BUILD and overrides_step(model, kind)):
+        if not (engine.capabilities.defers_build and overrides_step(model, kind)):
             raise
 
 

@@ -15,7 +15,6 @@ import math
 import threading
 from typing import Any, Callable, Iterator, Optional
 
-import keras
 import numpy as np
 from keras.src import callbacks as callbacks_module
 from keras.src import optimizers as optimizers_module
@@ -24,6 +23,7 @@ from keras.src.models import model as keras_model
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_strategies.backend import engine
 from keras_strategies.distribute import context
 from keras_strategies.input.options import InputContext
 
@@ -177,9 +177,9 @@ def _make_train_function(model: Any, strategy: Any, steps: int) -> Callable:
     """One closure: `steps` training steps on the worker that runs it; returns the last logs."""
     runtime = strategy.extended._runtime
 
-    # Keras' JAX `train_step` is stateless (it returns new values instead of applying them), so
-    # on JAX the step is written with `ks.value_and_grad` and `optimizer.apply_gradients`.
-    train_step = _stateful_train_step(model) if keras.backend.backend() == "jax" else model.train_step
+    # Where Keras' `train_step` is stateless (JAX: it returns new values instead of applying them),
+    # the step is written with `ks.value_and_grad` and `optimizer.apply_gradients`.
+    train_step = model.train_step if engine.capabilities.stateful_steps else _stateful_train_step(model)
 
     def train_function(iterator: Any) -> Any:
         logs = None

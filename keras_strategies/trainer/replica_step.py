@@ -128,7 +128,7 @@ class Shards:
                 lambda leaf: None if leaf is None else leaf[self.offset:self.offset + self.local_rows], local
             )
         self.local = local  # this worker's rows, unpadded
-        self.cut(engine.replicas.EQUAL_SHARDS if equal_shapes is None else equal_shapes)
+        self.cut(engine.capabilities.equal_shards if equal_shapes is None else equal_shapes)
 
     def cut(self, equal_shapes: bool) -> None:
         """Cuts `per_replica`: padded to one shape (`equal_shapes`) or each at its own size."""
@@ -221,7 +221,7 @@ class ReplicaStep:
         # batch mean, an overridden `compute_loss`) would count the padding rows, so a model with
         # such terms runs its steps on uneven shards eagerly, each shard at its own size.
         self._uneven_runs: dict = {}
-        if compiled and (engine.replicas.EQUAL_SHARDS or self._static_shapes):
+        if compiled and (engine.capabilities.equal_shards or self._static_shapes):
             eager = functools.partial(engine.replicas.make_replicated, devices=self.devices, compiled=False)
             self._uneven_runs = {"train": eager(self._replica_train), "test": eager(self._replica_test)}
         self._padding_enters: dict = {}  # step kind -> whether padding rows would enter its objective
@@ -617,7 +617,7 @@ class ReplicaStep:
     def _overlaps_backward(self) -> bool:
         """Whether train steps send across workers during the backward pass: several workers, one
         local replica, and an engine that reports gradients as its backward pass computes them."""
-        return self.num_workers > 1 and len(self.devices) == 1 and engine.gradients.OVERLAPS_BACKWARD
+        return self.num_workers > 1 and len(self.devices) == 1 and engine.capabilities.overlaps_backward
 
     def _overlapped_run(self, shards: Shards, loss_scale: float, full_batch: bool, stop_asked: bool) -> Any:
         """The replica and the exchange of `train_step`, the exchange running during the backward
@@ -760,7 +760,7 @@ class ReplicaStep:
 
 class _OverlappedExchange:
     """A multi-worker train step's exchange that runs during the backward pass (one local replica,
-    an engine that reports gradients as it computes them, `engine.gradients.OVERLAPS_BACKWARD`).
+    an engine that reports gradients as it computes them, `engine.capabilities.overlaps_backward`).
 
     The gradients go in buckets as the backward pass computes them
     (`gradient_buckets.py`), as torch DDP sends them; the step's other values

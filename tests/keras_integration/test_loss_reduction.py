@@ -271,7 +271,7 @@ def test_a_loss_returning_a_scalar_trains_like_one_device_on_uneven_shards():
         warnings.simplefilter("always")
         model, reference = assert_same_fit(_scalar_loss_model, data["x"], data["y"], batch_size=BATCH, replicas=REPLICAS)
     eager_warnings = [w for w in caught if EAGER_WARNING in str(w.message)]
-    assert len(eager_warnings) == (1 if engine.replicas.EQUAL_SHARDS else 0)
+    assert len(eager_warnings) == (1 if engine.capabilities.equal_shards else 0)
     np.testing.assert_allclose(model.evaluate(data["x"], data["y"], batch_size=BATCH, verbose=0),
                                reference.evaluate(data["x"], data["y"], batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-6)
 

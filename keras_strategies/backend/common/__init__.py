@@ -6,4 +6,6 @@
 - `partition`, `packing`: how lists of tensors are split and laid out for collectives.
 - `pending`: a collective's result where the engine runs it at once (`start_all_reduce_sum`).
 - `keras_compat`: what differs between the supported Keras releases.
+- `patches`: the one registry of replaced Keras functions, with their reasons and fingerprints.
+- `capabilities`: how an engine differs where the shared code must know (`backend/contract.py`).
 """

@@ -18,14 +18,6 @@ from keras_strategies.backend.jax import replicas
 from keras_strategies.backend.jax.devices import jax_device
 
 
-# Whether `ks.function` traces a custom step over its variables' state (`custom_step_program`).
-TRACES_CUSTOM_STEPS = True
-
-# Whether a multi-worker train step runs its cross-worker exchange inside its compiled program
-# (`trainer/exchange_in_program.py`): no, its cross-worker sums run between programs (gloo through `jax.distributed`).
-EXCHANGES_IN_PROGRAM = False
-
-
 def compile_function(fn: Callable) -> Callable:
     return jax.jit(fn)
 

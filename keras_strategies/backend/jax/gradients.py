@@ -10,17 +10,12 @@ from keras import ops
 from keras_strategies.backend.common.replica_variables import RecordingScope
 
 
-# Whether `value_and_grad` can report gradients while the backward pass runs: no, JAX computes
-# them all in one program (a cross-worker sum overlapping it would have to be inside that program).
-OVERLAPS_BACKWARD = False
-
-
 def value_and_grad(fn: Callable[..., tuple[Any, Any]],
                    hooks: Any = None) -> Callable[..., tuple[tuple[Any, Any], list]]:
     """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`.
 
     `hooks` is accepted for the engines' common interface: callers give None, as
-    gradients are not reported during the backward pass here (`OVERLAPS_BACKWARD`).
+    gradients are not reported during the backward pass here (`Capabilities.overlaps_backward`).
     """
     return jax.value_and_grad(fn, has_aux=True)
 

@@ -4,7 +4,7 @@ Every replica runs the same traced function on its shard; `all_reduce` is
 `jax.lax.psum` over the replica axis, JAX's own collective, differentiable
 (XLA runs it with NCCL on GPUs).
 SPMD needs equal shard shapes, so callers pad shards to the same size and
-pass a mask (see `EQUAL_SHARDS`).
+pass a mask (see `Capabilities.equal_shards`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from keras_strategies.backend.common.replica_variables import FIRST
 from keras_strategies.backend.jax import nccl, shared_state
 from keras_strategies.backend.jax.devices import device_of, device_scope, jax_device
 
-EQUAL_SHARDS = True
-NATIVE_SYNC_BATCH_NORM = False
 AXIS = "replica"
 
 _in_replica_program = {"active": False, "devices": 1}

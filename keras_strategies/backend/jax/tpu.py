@@ -13,7 +13,7 @@ the strategy joins them as the workers of one cluster (`hosts`).
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 

@@ -9,17 +9,6 @@ import jax
 from keras_strategies.backend.common import keras_compat
 from keras_strategies.backend.jax.devices import copy_to
 
-# The step returns new states, combined by `CustomStep._combine_states`.
-STATEFUL_STEPS = False
-# Keras' own JAX trainer builds a model from the first batch before `fit`; one it cannot build fails.
-DEFERS_BUILD = False
-# What tracing a model's own step raises when JAX cannot compile it (`trainer/custom_step.py`
-# then runs it eagerly): a Python decision on a traced value, or a `merge_call`.
-UNTRACEABLE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
-                      jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError,
-                      NotImplementedError)
-# Keras' own JAX trainer reads NumPy batches, which draw from no global generator unless shuffled.
-PIPELINE_DRAWS_RNG = False
 
 # Per step kind: the model's state as Keras' JAX trainer passes it, with how each
 # part is combined across replicas ("first": identical everywhere, "mean", "delta_sum").

@@ -11,20 +11,11 @@ from keras.src import tree
 from tensorflow.python.ops import resource_variable_ops
 
 
-# Whether `ks.function` traces a custom step over its variables' state: no, `compile_step`
-# compiles it as a whole (`tf.function`).
-TRACES_CUSTOM_STEPS = False
-
-# Whether a multi-worker train step runs its cross-worker exchange inside its compiled program
-# (`trainer/exchange_in_program.py`): yes, TF's collectives are ops of a `tf.function` (`CollectiveReduceV2`).
-EXCHANGES_IN_PROGRAM = True
-
-
 def run_if(condition: Any, fn: Callable[[], Any]) -> Any:
     """Inside a program being traced: `fn()`'s outputs when `condition` holds, else zeros of the
     same structure; `fn`'s updates run only when it holds (`tf.cond`).
 
-    What an engine with `EXCHANGES_IN_PROGRAM` offers its in-program steps, so that a step whose
+    What an engine with `Capabilities.exchanges_in_program` offers its in-program steps, so that a step whose
     workers must stop skips its update without a second program.
     """
     taken: dict = {}

@@ -8,17 +8,12 @@ import tensorflow as tf
 from keras import ops
 
 
-# Whether `value_and_grad` can report gradients while the backward pass runs: no, the tape's
-# gradient is one graph call (a cross-worker sum overlapping it would have to be inside that graph).
-OVERLAPS_BACKWARD = False
-
-
 def value_and_grad(fn: Callable[..., tuple[Any, Any]],
                    hooks: Any = None) -> Callable[..., tuple[tuple[Any, Any], list]]:
     """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`.
 
     `hooks` is accepted for the engines' common interface: callers give None, as
-    gradients are not reported during the backward pass here (`OVERLAPS_BACKWARD`).
+    gradients are not reported during the backward pass here (`Capabilities.overlaps_backward`).
     """
 
     def wrapped(trainable, *args):

@@ -19,10 +19,6 @@ from keras.src import tree
 from keras_strategies.backend.common import partition
 from keras_strategies.backend.tensorflow import gradients
 
-# tf.distribute accepts per-replica values of different shapes.
-EQUAL_SHARDS = False
-# Keras synchronises BatchNormalization natively only on TensorFlow.
-NATIVE_SYNC_BATCH_NORM = True
 
 _strategies: dict = {}
 

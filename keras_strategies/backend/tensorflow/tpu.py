@@ -11,7 +11,7 @@ runtime's stack. The replicas of the Keras steps then run under a
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import tensorflow as tf
 

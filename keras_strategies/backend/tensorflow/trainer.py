@@ -6,15 +6,6 @@ from typing import Any, Callable, Iterable, Optional
 
 from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
-# The step writes the model's variables itself (see `keras_strategies.backend.common.replica_variables`).
-STATEFUL_STEPS = True
-# Stateful steps run as they are (`trainer/custom_step.py` compiles only stateless ones).
-UNTRACEABLE_ERRORS: tuple = ()
-# Keras' own TensorFlow trainer builds a model when its step is first traced, not before `fit`.
-DEFERS_BUILD = True
-# An unshuffled `tf.data` pipeline draws from no global generator.
-PIPELINE_DRAWS_RNG = False
-
 
 def state_parts(model: Any, kind: str) -> list:
     """Stateful steps update the model's variables themselves: no state to combine."""

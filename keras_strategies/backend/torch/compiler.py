@@ -6,14 +6,6 @@ import contextlib
 from typing import Any, Callable, Optional, Sequence
 
 
-# Whether `ks.function` traces a custom step over its variables' state: no, it runs as it is.
-TRACES_CUSTOM_STEPS = False
-
-# Whether a multi-worker train step runs its cross-worker exchange inside its compiled program
-# (`trainer/exchange_in_program.py`): no, its steps run eagerly and send during the backward pass.
-EXCHANGES_IN_PROGRAM = False
-
-
 def compile_function(fn: Callable) -> Callable:
     return fn
 

@@ -13,11 +13,6 @@ from keras.src import tree
 from keras_strategies.backend.torch import vectorized
 
 
-# Whether `value_and_grad` can report each gradient while the backward pass still runs (`hooks`):
-# autograd runs a tensor's hooks as soon as its gradient is computed.
-OVERLAPS_BACKWARD = True
-
-
 def value_and_grad(fn: Callable[..., tuple[Any, Any]],
                    hooks: Any = None) -> Callable[..., tuple[tuple[Any, Any], list]]:
     """`fn(trainable, *args) -> (objective, aux)` becomes `-> ((objective, aux), grads)`.

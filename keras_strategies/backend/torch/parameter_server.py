@@ -22,6 +22,11 @@ class _TorchTensorOps(TensorOps):
     """Zero-copy gradients and views; reads stay copies, because PyTorch optimizers update in place and Ray
     serializes a returned value after the shard's lock is released."""
 
+    def no_grad(self) -> Any:
+        import torch
+
+        return torch.no_grad()
+
     def gradients(self, keras: Any, arrays: list) -> list:
         import torch
 

@@ -18,10 +18,6 @@ from keras_strategies.backend.common import partition, replica_threads
 from keras_strategies.backend.torch import module_buffers, nccl, vectorized
 from keras_strategies.backend.torch.devices import device_scope, torch_device
 
-# Replicas may have different shard sizes: each runs its own shard unpadded.
-EQUAL_SHARDS = False
-NATIVE_SYNC_BATCH_NORM = False
-
 
 def batch_leaf(value: Any) -> Any:
     """A leaf of a global batch, ready to be cut into shards: a CPU torch tensor as a NumPy view.

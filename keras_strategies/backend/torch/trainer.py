@@ -4,16 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-# The step writes the model's variables itself (see `keras_strategies.backend.common.replica_variables`).
-STATEFUL_STEPS = True
-# Stateful steps run as they are (`trainer/custom_step.py` compiles only stateless ones).
-UNTRACEABLE_ERRORS: tuple = ()
-# Keras' own PyTorch trainer builds a model from the first batch before `fit`; one it cannot build fails.
-DEFERS_BUILD = False
-# Each `DataLoader` iterator draws its base seed from torch's global generator, even unshuffled:
-# Keras' own loops (validation, `evaluate`, `predict`) all move the order of later shuffles.
-PIPELINE_DRAWS_RNG = True
-
 
 def state_parts(model: Any, kind: str) -> list:
     """Stateful steps update the model's variables themselves: no state to combine."""

@@ -17,7 +17,7 @@ step then runs in replica threads from then on, with the same results.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch

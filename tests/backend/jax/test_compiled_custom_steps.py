@@ -10,6 +10,7 @@ metrics and Dropout, where the variables are afterwards, and which steps run
 eagerly instead (with a warning when the step cannot be traced).
 """
 
+import dataclasses
 import warnings
 
 import jax
@@ -216,7 +217,8 @@ def test_a_step_whose_loss_reduces_the_rows_itself_runs_its_uneven_batches_eager
     assert got[5] == [(2, 1), (1, 1), (1, 1), (1, 1)]
     from keras_strategies.backend import engine
 
-    monkeypatch.setattr(engine.compiler, "TRACES_CUSTOM_STEPS", False)  # every step eager
+    eager = dataclasses.replace(engine.capabilities, traces_custom_steps=False)
+    monkeypatch.setattr(engine, "capabilities", eager)  # every step eager
     _assert_alike(got, _guide_loop(ks.MirroredStrategy(DEVICES), epochs=1, rows=37, keras_loss_mean=True))
 
 

@@ -32,16 +32,6 @@ def _import_keras(backend: str) -> Any:
     return keras
 
 
-def _no_grad(keras: Any) -> Any:
-    if keras.backend.backend() == "torch":
-        import torch
-
-        return torch.no_grad()
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def _numpy(keras: Any, value: Any) -> np.ndarray:
     if isinstance(value, keras.Variable):
         value = value.value
@@ -77,7 +67,7 @@ class ParameterShard:
     def setup(self, pieces: dict, optimizers: dict) -> None:
         """Creates pieces ({piece id: initial value}) and optimizers ({key: spec}); see `Registry`."""
         keras = self.keras
-        with self.lock, _no_grad(keras):
+        with self.lock, self.ops.no_grad():
             for pid, value in pieces.items():
                 if pid in self.values and tuple(self.values[pid].shape) == value.shape:
                     self.values[pid].assign(value)
@@ -121,12 +111,12 @@ class ParameterShard:
                     for pid in pids]
 
     def write(self, values: dict) -> None:
-        with self.lock, _no_grad(self.keras):
+        with self.lock, self.ops.no_grad():
             for pid, value in values.items():
                 self.values[pid].assign(value)
 
     def add(self, token: Optional[tuple], values: dict) -> None:
-        with self.lock, _no_grad(self.keras):
+        with self.lock, self.ops.no_grad():
             if token is not None:
                 if token in self.applied:
                     return
@@ -138,7 +128,7 @@ class ParameterShard:
     def apply(self, key: int, token: Optional[tuple], grads: dict) -> None:
         """Applies `grads` ({piece id: gradient}) with optimizer `key`, once per token."""
         keras = self.keras
-        with self.lock, _no_grad(keras):
+        with self.lock, self.ops.no_grad():
             if token is not None:
                 if token in self.applied:
                     return
@@ -299,7 +289,7 @@ class WorkerActor:
         pieces = {pid: value for s, values in zip(shards, results) for pid, value in zip(by_shard[s], values)}
         snapshot = {}
         variables = self.transport.WORKER_VARIABLES
-        with _no_grad(self.keras):
+        with self.ops.no_grad():
             for key in keys:
                 parts = [pieces[pid] for _, _, _, pid in self.layout[key]]
                 value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)

@@ -8,6 +8,7 @@ in fresh 16 MB allocations, so each copy saved counts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from typing import Any
@@ -17,6 +18,10 @@ import numpy as np
 
 class TensorOps:
     """Conversions and the optimizer step of the Ray engine (backend-neutral defaults)."""
+
+    def no_grad(self) -> contextlib.AbstractContextManager:
+        """Where a shard or a worker updates variables: outside the backend's autodiff, where it records."""
+        return contextlib.nullcontext()
 
     def gradients(self, keras: Any, arrays: list) -> list:
         """Backend tensors for gradients received from Ray (read-only NumPy arrays)."""
