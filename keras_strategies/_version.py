@@ -15,7 +15,7 @@ import re
 __version__ = "0.1.0"
 
 KERAS_MIN = (3, 14)  # lowest supported release: 3.14.0
-KERAS_BELOW = (3, 16)  # first release not yet supported
+KERAS_BELOW = (3, 17)  # first release not yet supported
 KERAS_REQUIREMENT = f"keras>={KERAS_MIN[0]}.{KERAS_MIN[1]},<{KERAS_BELOW[0]}.{KERAS_BELOW[1]}"
 
 

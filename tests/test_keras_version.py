@@ -30,7 +30,7 @@ def _python_with_keras(tmp_path, version, *args):
                           cwd=tmp_path)
 
 
-@pytest.mark.parametrize("version", ["3.10.0", "3.13.2", "3.16.0", "4.0.0"])
+@pytest.mark.parametrize("version", ["3.10.0", "3.13.2", "3.17.0", "4.0.0"])
 def test_importing_the_package_with_an_unsupported_keras_names_the_version_and_the_fix(tmp_path, version):
     result = _python_with_keras(tmp_path, version, "-c", "import keras_strategies")
     assert result.returncode == 1, result.stdout + result.stderr
@@ -64,7 +64,8 @@ def test_the_installed_keras_is_supported():
 @pytest.mark.parametrize(
     "version, supported",
     [("3.13.9", False), ("3.14.0", True), ("3.14.1", True), ("3.15.1", True), ("3.15.2.dev2026010100", True),
-     ("3.16.0", False), ("3.16.0rc0", False), ("2.15.0", False), ("unknown", False)],
+     ("3.16.0", True), ("3.16.0.dev2026102704", True), ("3.17.0", False), ("3.17.0rc0", False),
+     ("2.15.0", False), ("unknown", False)],
 )
 def test_version_strings_against_the_range(version, supported):
     assert keras_version_supported(version) is supported
@@ -88,10 +89,20 @@ def test_pyproject_declares_the_same_range():
 
 
 def test_make_test_runs_the_lowest_and_the_highest_supported_keras():
-    """requirements-keras-min.txt is requirements-dev.txt with only Keras moved to the lowest supported release."""
+    """requirements-keras-min.txt and requirements-keras-next.txt are requirements-dev.txt with only Keras
+    moved: to the lowest supported release, and to a build of the newest supported minor. The dev set has
+    the newest release, which is that minor once it is released."""
     dev = _pins(REPO_ROOT / "requirements-dev.txt")
     lowest = _pins(REPO_ROOT / "requirements-keras-min.txt")
+    newest = _pins(REPO_ROOT / "requirements-keras-next.txt")
     assert lowest["keras"] == f"keras=={KERAS_MIN[0]}.{KERAS_MIN[1]}.0"
     assert keras_version_supported(dev["keras"].removeprefix("keras=="))
-    assert dev["keras"].startswith(f"keras=={KERAS_BELOW[0]}.{KERAS_BELOW[1] - 1}."), "dev set: the newest supported minor"
-    assert {k: v for k, v in lowest.items() if k != "keras"} == {k: v for k, v in dev.items() if k != "keras"}
+    newest_minor = f"{KERAS_BELOW[0]}.{KERAS_BELOW[1] - 1}."
+    newest_pin = newest.get("keras", newest.get("keras-nightly", ""))
+    assert newest_pin.split("==")[1].startswith(newest_minor), "requirements-keras-next.txt: the newest supported minor"
+    assert keras_version_supported(newest_pin.split("==")[1])
+    assert dev["keras"].startswith(f"keras=={KERAS_BELOW[0]}.{KERAS_BELOW[1] - 2}.") or dev["keras"].startswith(
+        f"keras=={newest_minor}"), "dev set: the newest supported release"
+    for pins in (lowest, newest):
+        assert {k: v for k, v in pins.items() if not k.startswith("keras")} == {
+            k: v for k, v in dev.items() if k != "keras"}

@@ -244,6 +244,14 @@ def test_metrics_updated_in_strategy_run_are_global_on_every_worker(run):
         np.testing.assert_allclose(worker["loop_metrics"], [x[:, 0].mean(), len(x)], **TOL)
 
 
+def test_count_metrics_of_fit_and_evaluate_count_every_row_once_on_every_worker(run):
+    # True positives plus false negatives of every row: `fit`'s epoch log, `evaluate`'s and
+    # `get_metrics_result()` afterwards are the row count, not a multiple of it.
+    _, _, results = run
+    for worker in results:
+        np.testing.assert_array_equal(worker["count_metrics"], [N, N, N])
+
+
 def test_collectives_span_every_replica_of_every_worker(run):
     _, devices, results = run
     replicas = 2 * devices

@@ -19,7 +19,7 @@ import torch
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 
 from keras_strategies.backend.common import patches
-from keras_strategies.backend.torch import module_buffers, vectorized
+from keras_strategies.backend.torch import collectives, module_buffers, vectorized
 
 _MODULE_CALL = patches.declare("keras.src.utils.torch_utils.TorchModuleWrapper.call",
                                "a wrapped torch.nn.Module runs on the replica's values of its parameters and buffers")
@@ -31,13 +31,15 @@ _CHANNELS_LAST = patches.declare(
 # Keras 3.16's own data parallelism on PyTorch: when `torch.distributed` is initialised (as a
 # ks multi-worker strategy initialises it) Keras wraps the model in DDP and sums every metric
 # variable over the processes. A model of a ks strategy already exchanges its gradients and holds
-# global metric state, so for it both are Keras' single-process behaviour.
+# global metric state, so for it both are Keras' single-process behaviour; so are they for any
+# model while the process group is the one a strategy started (the user asked for no other).
 _TORCH_TRAINER = "keras.src.backend.torch.trainer.Trainer"
-_INITIALIZE_DDP = patches.declare(f"{_TORCH_TRAINER}._initialize_ddp", "a model of a strategy is not wrapped in "
-                                  "Keras' DDP: the strategy exchanges its gradients (Keras 3.16)", optional=True)
+_INITIALIZE_DDP = patches.declare(f"{_TORCH_TRAINER}._initialize_ddp", "a model of a strategy (or any model in the "
+                                  "process group a strategy started) is not wrapped in Keras' DDP: the strategy "
+                                  "exchanges its gradients (Keras 3.16)", optional=True)
 _METRICS_RESULT = patches.declare(f"{_TORCH_TRAINER}.get_metrics_result", "a model of a strategy holds global "
-                                  "metric state: Keras' sum over the processes would count it once per worker "
-                                  "(Keras 3.16)", optional=True)
+                                  "metric state: Keras' sum over the processes would count it once per worker; in "
+                                  "the process group a strategy started, no model's metrics are summed (Keras 3.16)", optional=True)
 _POOLING_LAYOUT = patches.declare(
     "keras.src.backend.torch.ops.nn._transpose_spatial_inputs",
     "pooling inputs keep the default layout inside a vectorised replica program (vmap cannot clone into "
@@ -53,12 +55,14 @@ def _wrap_channels_last(original: Callable) -> Callable:
 
 
 def _single_process_for_strategy_models(strategy_context: Any, keras_single_process: Callable) -> Callable:
-    """Keras' method for other models, `keras_single_process` for a model created under a strategy."""
+    """`keras_single_process` for a model created under a strategy, and for every model where the
+    process group is the one a strategy started (Keras' own data parallelism is for a group the
+    user started: without the package there would be none); Keras' method otherwise."""
 
     def wrap(original: Callable) -> Callable:
         @functools.wraps(original)
         def method(self, *args, **kwargs):
-            if strategy_context.strategy_of(self) is None:
+            if strategy_context.strategy_of(self) is None and not collectives.started_process_group():
                 return original(self, *args, **kwargs)
             return keras_single_process(self, *args, **kwargs)
 

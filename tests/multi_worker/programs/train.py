@@ -51,6 +51,20 @@ def run_keras(name, build, run=keras_run, in_strategy=strategy):
 model = run_keras("fit", build_model)
 run_keras("evaluated_first", build_model, evaluate_first_run)
 
+# Count metrics: every row is a true positive or a false negative of its sign, so their totals are
+# the dataset's row count, once, on every worker. (Keras 3.16's PyTorch trainer sums metric
+# variables over the processes itself; a second sum would multiply them by the worker count.)
+with strategy.scope():
+    counted = build_model()
+    counted.compile(optimizer="sgd", loss="mse", metrics=[keras.metrics.TruePositives(0.0, name="tp"),
+                                                          keras.metrics.FalseNegatives(0.0, name="fn")])
+counted_history = counted.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0).history
+counted_logs = counted.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+counted_result = counted.get_metrics_result()
+results["count_metrics"] = np.array([counted_history["tp"][0] + counted_history["fn"][0],
+                                     counted_logs["tp"] + counted_logs["fn"],
+                                     float(counted_result["tp"]) + float(counted_result["fn"])])
+
 
 def run_loop(name):
     """The guide's custom loop on a tf.data dataset (new variables: the chief's values are broadcast)."""
