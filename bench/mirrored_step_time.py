@@ -414,6 +414,19 @@ BREAKDOWN_METHODS = (
 )
 
 
+def _piece(step_obj, name: str) -> tuple:
+    """`(owner, attribute)` of a breakdown piece: a method of the `ReplicaStep`, or of one of its
+    parts (`program`, `host_update`, `workers`), where it is public (`_update_metrics` is
+    `host_update.update_metrics`)."""
+    if hasattr(step_obj, name):
+        return step_obj, name
+    for part in ("program", "host_update", "workers"):
+        owner = getattr(step_obj, part, None)
+        if owner is not None and hasattr(owner, name.lstrip("_")):
+            return owner, name.lstrip("_")
+    return step_obj, name
+
+
 def _breakdown(model, backend: str, steps: int) -> dict:
     """Mean ms per training step spent in each top-level piece of ks's train step.
 
@@ -464,10 +477,11 @@ def _breakdown(model, backend: str, steps: int) -> dict:
     else:
         compiled_whole = None
     for name in BREAKDOWN_METHODS:
-        fn = getattr(step_obj, name, None)
+        owner, attribute = _piece(step_obj, name)
+        fn = getattr(owner, attribute, None)
         if callable(fn):
-            originals.append((step_obj, name, step_obj.__dict__.get(name)))
-            object.__setattr__(step_obj, name, timed(name, fn))
+            originals.append((owner, attribute, owner.__dict__.get(attribute)))
+            object.__setattr__(owner, attribute, timed(name, fn))
     optimizer = model.optimizer
     originals.append((optimizer, "apply", optimizer.__dict__.get("apply")))
     object.__setattr__(optimizer, "apply", timed("optimizer", optimizer.apply))

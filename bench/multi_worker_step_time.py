@@ -223,7 +223,7 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
     asynchronously). Where the exchange runs during the backward pass (PyTorch,
     one replica per worker), its sums start inside `_train` and the exchange
     column is what is left after the backward pass: the waits and the unpacking
-    (`_OverlappedExchange.finish`). Also records what one step sends across
+    (`OverlappedExchange.finish`). Also records what one step sends across
     workers (bytes, dtypes: the engines run one collective per dtype) and each
     step's collective time, so that the parent can take, step by step, the
     smaller of the two workers' times: the worker that arrives last waits least,
@@ -233,9 +233,14 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
     from keras_strategies.backend import engine
     from keras_strategies.trainer import replica_step
 
+    try:
+        from keras_strategies.trainer import worker_exchange
+    except ImportError:  # a version whose step holds its exchange itself
+        worker_exchange = None
+
     holder = getattr(model, "_ks_replica_step", None)
     step_obj = getattr(getattr(holder, "train_step", None), "__self__", None)
-    if step_obj is None or not hasattr(step_obj, "_exchange"):
+    if step_obj is None or not (hasattr(step_obj, "_exchange") or hasattr(step_obj, "workers")):
         return {}
     sync = completion_wait(backend)
 
@@ -289,15 +294,21 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
         started = start_sum(values, what, donated)
         return TimedWait(started, 1e3 * (time.perf_counter() - start))
 
-    patched = [(step_obj, name) for name in ("_train", "_exchange", "_update_metrics", "train_step")]
+    # Each piece where this version has it: on the step, or on one of its parts (`workers.run`,
+    # `host_update.update_metrics`).
+    workers, host_update = getattr(step_obj, "workers", step_obj), getattr(step_obj, "host_update", step_obj)
+    patched = [(step_obj, "_train", "_train"), (step_obj, "train_step", "train_step"),
+               (workers, "run", "_exchange") if workers is not step_obj else (step_obj, "_exchange", "_exchange"),
+               (host_update, "update_metrics", "_update_metrics") if host_update is not step_obj
+               else (step_obj, "_update_metrics", "_update_metrics")]
     # The in-program exchange's compiled steps, by step kind (put back as they were afterwards).
     programs = getattr(getattr(step_obj, "_exchange_in_program", None), "_programs", {})
     kept_programs = dict(programs)
     for kind, program in kept_programs.items():
         programs[kind] = timed("step_program", program)
-    for obj, name in patched:
-        object.__setattr__(obj, name, timed(name, getattr(obj, name)))
-    overlapped = getattr(replica_step, "_OverlappedExchange", None)
+    for obj, name, section in patched:
+        object.__setattr__(obj, name, timed(section, getattr(obj, name)))
+    overlapped = getattr(worker_exchange, "OverlappedExchange", None) or getattr(replica_step, "_OverlappedExchange", None)
     overlapped_finish = getattr(overlapped, "finish", None)
     if overlapped_finish is not None:
         overlapped.finish = timed("_exchange", overlapped_finish)
@@ -316,7 +327,7 @@ def _breakdown(keras, model, strategy, x, y, backend: str) -> dict:
         extended.__dict__.pop("_start_cross_worker_sum", None)
         if overlapped_finish is not None:
             overlapped.finish = overlapped_finish
-        for obj, name in patched:
+        for obj, name, _ in patched:
             obj.__dict__.pop(name, None)
         programs.update(kept_programs)
         holder.train_step = step_obj.train_step

@@ -164,3 +164,20 @@ def test_no_branch_on_the_backend_name_outside_the_engines():
             assert not _branches_on_a_backend(node), (
                 f"{path.relative_to(PACKAGE.parent)}:{node.lineno} branches on the backend "
                 f"({ast.unparse(node)}): give the engine a capability (backend/contract.py) instead")
+
+
+# A class past these sizes is split into parts, each in a module of its own (as `ReplicaStep`
+# is into `shards`, `replica_program`, `global_update` and `worker_exchange`).
+MAX_CLASS_LINES, MAX_CLASS_METHODS = 350, 40
+
+
+def test_no_class_grows_past_what_a_newcomer_holds_in_mind():
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            methods = sum(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for item in node.body)
+            assert lines <= MAX_CLASS_LINES and methods <= MAX_CLASS_METHODS, (
+                f"{path.relative_to(PACKAGE.parent)}:{node.lineno} class {node.name} has {lines} lines and "
+                f"{methods} methods (at most {MAX_CLASS_LINES} and {MAX_CLASS_METHODS}): split it into parts")

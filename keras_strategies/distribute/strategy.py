@@ -17,13 +17,15 @@ from keras import distribution as keras_distribution
 from keras import ops
 
 from keras_strategies.distribute import context, traced_function
+from keras_strategies.distribute.cross_replica_helpers import CrossReplicaHelpers
+from keras_strategies.distribute.reductions import HostReductions
+from keras_strategies.distribute.workers import OneWorker
 from keras_strategies.backend import engine
 from keras_strategies.input.options import ValueContext
 from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.backend.common.replica_variables import ReplicaWrites, outside_replica_scope
 from keras_strategies.distribute.values import (
     DistributedValues,
-    Mirrored,
     PerReplica,
     is_distributed,
     map_structure,
@@ -42,12 +44,18 @@ def sync_new_variables_from_chief() -> None:
         extended._sync_variables_from_chief()
 
 
-class StrategyExtended:
+class StrategyExtended(CrossReplicaHelpers, HostReductions, OneWorker):
     """A strategy's internals, `strategy.extended`, as `tf.distribute.StrategyExtended`.
 
     Devices of the replicas and the cross-replica operations that custom
     optimizers and training loops use (`reduce_to`, `broadcast_to`, `update`).
     Get it from a strategy; do not construct it.
+
+    Its parts, one module each: tf.distribute's cross-replica helpers
+    (`cross_replica_helpers.py`), `reduce` and `gather` on the host
+    (`reductions.py`), the workers (`workers.py`: one, unless a multi-worker
+    strategy overrides them); here the devices, the variables created in
+    scope, running a function on every replica and Keras' methods.
 
     Examples:
         >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -125,137 +133,6 @@ class StrategyExtended:
             (True, False)
         """
         return getattr(variable, "_ks_strategy", None) is self._container
-
-    # --- tf.distribute's cross-replica helpers (custom optimizers and loops use them) --------------
-    def _destination_devices(self, destinations: Any) -> tuple:
-        """The devices `destinations` names: a device string, a variable (of this scope: every
-        replica device; else the host) or a list of these."""
-        if isinstance(destinations, str):
-            return (destinations,)
-        if isinstance(destinations, (list, tuple)):
-            return tuple(device for d in destinations for device in self._destination_devices(d))
-        if isinstance(destinations, DistributedValues) or self.variable_created_in_scope(destinations):
-            return self.worker_devices
-        return (self.host_device,)
-
-    def _mirrored_to(self, value: Any, destinations: Any) -> Any:
-        devices = self._destination_devices(destinations)
-        copies = [engine.devices.copy_to(ops.convert_to_tensor(value), device) for device in devices]
-        return copies[0] if len(copies) == 1 else Mirrored(copies)
-
-    def _check_cross_replica(self, name: str) -> None:
-        if context.has_strategy() and context.get_replica_context() is not None:
-            raise RuntimeError(
-                f"`strategy.extended.{name}` is for cross-replica context; inside `strategy.run` use "
-                "`ks.get_replica_context().all_reduce` (or `merge_call`)."
-            )
-
-    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any, options: Any = None) -> Any:
-        """`value` reduced across replicas (and workers), mirrored on `destinations`.
-
-        Call it in cross-replica context (for example in a `merge_call` function);
-        inside `strategy.run` use `ReplicaContext.all_reduce`.
-
-        Args:
-            reduce_op: `ks.ReduceOp.SUM` or `MEAN`, or `"sum"` / `"mean"`.
-            value: A `PerReplica` value, or a tensor that is the same on every replica.
-            destinations: A device name, a list of them, or a variable (a variable of
-                this scope means every replica device).
-            options: Accepted for compatibility; unused.
-
-        Examples:
-            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
-            >>> per_replica = strategy.run(lambda: keras.ops.ones((2,)))
-            >>> total = strategy.extended.reduce_to("sum", per_replica, destinations="cpu:0")
-            >>> keras.ops.convert_to_numpy(total).tolist()
-            [2.0, 2.0]
-        """
-        self._check_cross_replica("reduce_to")
-        return self._mirrored_to(self._reduce(ReduceOp.parse(reduce_op), value, None), destinations)
-
-    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple],
-                        options: Any = None) -> list:
-        """`reduce_to` for each `(value, destinations)` pair; returns the results in order.
-
-        Examples:
-            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
-            >>> a, b = strategy.run(lambda: (keras.ops.ones(()), keras.ops.zeros(())))
-            >>> [float(v) for v in strategy.extended.batch_reduce_to("sum", [(a, "cpu:0"), (b, "cpu:0")])]
-            [2.0, 0.0]
-        """
-        return [self.reduce_to(reduce_op, value, destinations, options) for value, destinations in value_destination_pairs]
-
-    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
-        """`tensor` copied to each device of `destinations` (a `Mirrored` for several).
-
-        Examples:
-            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
-            >>> mirrored = strategy.extended.broadcast_to(keras.ops.ones(()), destinations=["cpu:0", "cpu:1"])
-            >>> len(mirrored.values)
-            2
-        """
-        return self._mirrored_to(tensor, destinations)
-
-    def update(self, var: Any, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, group: bool = True) -> Any:
-        """Runs `fn(var, *args, **kwargs)` once, in cross-replica context.
-
-        A strategy's variable is one Keras variable, copied to the replicas at
-        each step, so one update is enough; `Mirrored` arguments give their first copy.
-
-        Examples:
-            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
-            >>> with strategy.scope():
-            ...     v = keras.Variable(1.0)
-            >>> _ = strategy.extended.update(v, lambda var, delta: var.assign_add(delta), args=(2.0,))
-            >>> float(v.numpy())
-            3.0
-        """
-        self._check_cross_replica("update")
-        first = lambda value: value.values[0] if isinstance(value, Mirrored) else value  # noqa: E731
-        args, kwargs = map_structure(first, tuple(args)), map_structure(first, dict(kwargs or {}))
-        return fn(var, *args, **kwargs)
-
-    def value_container(self, value: Any) -> Any:
-        """The distributed variable of `value`: a strategy's variables are their own container.
-
-        Examples:
-            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
-            >>> with strategy.scope():
-            ...     v = keras.Variable(1.0)
-            >>> strategy.extended.value_container(v) is v
-            True
-        """
-        return value
-
-    def read_var(self, var: Any) -> Any:
-        """The variable's value in cross-replica context.
-
-        Examples:
-            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
-            >>> with strategy.scope():
-            ...     v = keras.Variable(2.0)
-            >>> float(keras.ops.convert_to_numpy(strategy.extended.read_var(v)))
-            2.0
-        """
-        return var.value
-
-    @contextlib.contextmanager
-    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """A scope whose new variables sit with `colocate_with_variable`.
-
-        Every variable of a strategy already lives on its parameter devices, so
-        this only checks that it is used inside the strategy's `scope()`.
-
-        Examples:
-            >>> strategy = ks.MirroredStrategy(["cpu:0", "cpu:1"])
-            >>> with strategy.scope():
-            ...     v = keras.Variable(1.0)
-            ...     with strategy.extended.colocate_vars_with(v):
-            ...         slot = keras.Variable(0.0)
-        """
-        if context.get_cross_replica_context() is not self._container:
-            raise RuntimeError("`colocate_vars_with` must be used inside the strategy's `scope()`.")
-        yield
 
     def _track(self, obj: Any) -> bool:
         """Remembers variables created in scope (weakly), to mirror them on replica devices;
@@ -336,41 +213,6 @@ class StrategyExtended:
         (the statistics of synchronized BatchNormalization)."""
         return self._local_all_reduce(replica_context, ReduceOp.SUM, value)
 
-    # --- workers (multi-worker strategies override) -------------------------------
-    @property
-    def _num_workers(self) -> int:
-        return 1
-
-    @property
-    def _worker_index(self) -> int:
-        return 0
-
-    @property
-    def _is_chief(self) -> bool:
-        return True
-
-    def _cross_worker_sum(self, values: list, what: str = "all-reduce", donated: Any = False) -> list:
-        """Element-wise sums of a list of tensors over all workers (one worker: unchanged).
-
-        `donated` (a bool, or one per value) hands the values over: the engine
-        may then sum them in place instead of copying them.
-        """
-        return values
-
-    def _any_worker_has(self, flag: bool, what: str = "end-of-input agreement") -> bool:
-        """Whether `flag` is true on any worker (one worker: `flag`)."""
-        return flag
-
-    def _sync_variables_from_chief(self, also: Sequence[Any] = ()) -> None:
-        """Gives every worker the chief's values of new variables and `also` (one worker: nothing to do)."""
-
-    def _broadcast_from_chief(self, number: int) -> int:
-        """The chief's value of a small integer (one worker: `number`)."""
-        return number
-
-    def _use_chief_input_rngs(self) -> None:
-        """Makes every worker's input shuffles draw as the chief's (one worker: nothing to do)."""
-
     def _all_gather(self, replica_context: "context.ReplicaContext", value: Any, axis: int) -> Any:
         if self.num_replicas_in_sync != 1:
             raise NotImplementedError(f"{type(self).__name__} has no all_gather for several replicas.")
@@ -389,65 +231,6 @@ class StrategyExtended:
         with self._container.scope(), context.enter_frame(self._container, replica_context):
             with engine.devices.device_scope(self._devices[0]):
                 return method(model, *args, **kwargs)
-
-    # --- cross-replica reductions --------------------------------------------
-    def _on_host(self, value: Any) -> Any:
-        return engine.devices.copy_to(ops.convert_to_tensor(value), self.host_device)
-
-    def _local_sum(self, components: Sequence[Any]) -> Any:
-        """Sum of this worker's components on the host."""
-        total = self._on_host(components[0])
-        for component in components[1:]:
-            total = engine.gradients.add(total, self._on_host(component))
-        return total
-
-    def _cross_replica_sum(self, components: Sequence[Any]) -> Any:
-        """Sum over every replica of every worker, on the host."""
-        (total,) = self._cross_worker_sum([self._local_sum(components)], "strategy.reduce")
-        return self._on_host(total)
-
-    def _reduce(self, reduce_op: ReduceOp, value: Any, axis: Optional[int]) -> Any:
-        if not is_distributed(value):
-            if reduce_op == ReduceOp.SUM and self.num_replicas_in_sync > 1:
-                raise ValueError(
-                    f"A non-DistributedValues value {value!r} cannot be reduced with the given "
-                    f"reduce op {reduce_op}: with {self.num_replicas_in_sync} replicas its sum "
-                    "is ambiguous. Reduce the per-replica result of `strategy.run` instead."
-                )
-            value = self._on_host(value)  # the same on every replica (and worker): nothing to sum
-            if axis is None:
-                return value
-            total = ops.sum(value, axis=axis)
-            return total if reduce_op == ReduceOp.SUM else ops.divide(total, ops.cast(ops.shape(value)[axis], total.dtype))
-        else:
-            components = list(value.values)
-            replica_count = self.num_replicas_in_sync
-        if axis is None:
-            total = self._cross_replica_sum(components)
-            if reduce_op == ReduceOp.MEAN:
-                total = ops.divide(total, ops.cast(replica_count, total.dtype))
-            return total
-        sums = [ops.sum(ops.convert_to_tensor(c), axis=axis) for c in components]
-        total = self._cross_replica_sum(sums)
-        if reduce_op == ReduceOp.SUM:
-            return total
-        count = self._cross_replica_sum([ops.convert_to_tensor(ops.shape(c)[axis], "float32") for c in components])
-        return ops.divide(total, ops.cast(count, total.dtype))
-
-    def _cross_worker_gather(self, value: Any, axis: int) -> Any:
-        """`value` of every worker concatenated along `axis` (one worker: unchanged)."""
-        return value
-
-    def _gather(self, value: Any, axis: int) -> Any:
-        components = value.values if is_distributed(value) else (value,)
-        tensors = [self._on_host(c) for c in components]
-        if any(len(t.shape) == 0 for t in tensors):
-            raise ValueError(
-                "`gather` needs values of rank >= 1 (it concatenates along `axis`); got a "
-                "scalar. Reshape the per-replica value to rank 1 first."
-            )
-        local = ops.concatenate(tensors, axis=axis) if len(tensors) > 1 else tensors[0]
-        return self._on_host(self._cross_worker_gather(local, axis))
 
 
 class Strategy:

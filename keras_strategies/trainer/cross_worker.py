@@ -118,7 +118,7 @@ def place_rows(shards: Any, local_parts: list, template: Any, capacity: int) -> 
     `local_parts` are structures of row blocks (concatenated in order);
     `template` gives the structure, trailing shapes and dtypes. The buffer has
     the same shape on every worker whatever each one's batch (`capacity` is
-    agreed, see `ReplicaStep._exchange`): rows past it are left out.
+    agreed, see `WorkerExchange.run`): rows past it are left out.
     """
 
     def place(*leaves):

@@ -41,7 +41,7 @@ from keras_strategies.input import padding
 from keras_strategies.input.splitting import split_batch
 from keras_strategies.trainer import cross_worker, worker_states
 from keras_strategies.trainer.cross_worker import STOPPED
-from keras_strategies.trainer.replica_step import as_tensors, make_shards
+from keras_strategies.trainer.shards import as_tensors, make_shards
 
 
 def overrides_step(model: Any, kind: str) -> bool:

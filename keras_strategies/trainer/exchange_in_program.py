@@ -3,7 +3,7 @@
 Where the engine's cross-worker collectives are ops of its compiled programs
 (`engine.capabilities.exchanges_in_program`: TensorFlow's `CollectiveReduceV2`), a
 train step of several workers runs as one program instead of the replica
-program, a host-packed exchange (`ReplicaStep._exchange`) and the update (a
+program, a host-packed exchange (`WorkerExchange.run`) and the update (a
 test step likewise, without gradients, update and non-trainable values):
 
 1. the replicas and the exchange: the same one all-reduce of the batch check
@@ -60,7 +60,7 @@ class ExchangeInProgram:
         return bool(
             engine.capabilities.exchanges_in_program and step._compiled and step.reduce_in_program
             and step.num_workers > 1 and not (kind == "train" and step._overlaps_backward()) and shards.global_input
-            and step.strategy.num_replicas_in_sync <= shards.batch <= step._rows_capacity
+            and step.strategy.num_replicas_in_sync <= shards.batch <= step.workers.rows_capacity
             and not step._eager_fallback(kind, shards) and _travel_as_float32(shards)
         )
 
@@ -72,13 +72,13 @@ class ExchangeInProgram:
             program = self._programs[kind] = engine.compiler.compile_stateful(getattr(self, f"_{kind}_program"), [])
         targets = tree.map_structure(
             lambda leaf: None if leaf is None else leaf.astype("float32"),
-            tuple(cross_worker.own_rows(shards, part, step._rows_capacity) for part in (shards.y, shards.sample_weight)),
+            tuple(cross_worker.own_rows(shards, part, step.workers.rows_capacity) for part in (shards.y, shards.sample_weight)),
         )
         dtypes = tuple(None if leaf is None else str(np.asarray(leaf).dtype)
                        for leaf in tree.flatten((shards.y, shards.sample_weight)))
-        plan = (tuple(shards.sizes), int(shards.offset), int(step._rows_capacity), int(shards.batch), dtypes,
+        plan = (tuple(shards.sizes), int(shards.offset), int(step.workers.rows_capacity), int(shards.batch), dtypes,
                 int(step.num_workers))
-        rows, x, _, _ = step._batch_arrays(shards)  # the targets come from the exchange
+        rows, x, _, _ = step.host_update.batch_arrays(shards)  # the targets come from the exchange
         check = cross_worker.batch_check(shards, stop_asked)
         per_replica = step._per_replica(shards, loss_scale)
 
@@ -95,8 +95,8 @@ class ExchangeInProgram:
     def _train_program(self, per_replica: list, check: Any, targets: tuple, batch: tuple, plan: tuple) -> dict:
         """The replicas, the exchange, and (when every worker may go on) the update and the metrics."""
         step = self._step
-        outputs = step._train(step._state(), per_replica)
-        grads, loss = step._sums_of_first_replica(outputs)
+        outputs = step._train(step.program.state(), per_replica)
+        grads, loss = step.host_update.sums_of_first_replica(outputs)
         auxes = [aux for _, aux in outputs]
         payload, _ = cross_worker.non_trainable_payload(
             step.model.non_trainable_variables, [aux[2] for aux in auxes], step.host
@@ -106,8 +106,8 @@ class ExchangeInProgram:
 
         def update_and_measure() -> dict:
             variables = step.model.non_trainable_variables
-            logs = step._apply_and_measure(summed["grads"], summed["loss"], summed["predictions"],
-                                          step._batch_tensors((*batch, *summed["targets"])))
+            logs = step.host_update.apply_and_measure(summed["grads"], summed["loss"], summed["predictions"],
+                                          step.host_update.batch_tensors((*batch, *summed["targets"])))
             *totals, count = summed["payload"]
             cross_worker.assign_non_trainable(variables, cross_worker.non_trainable_kinds(variables), totals, count)
             return logs
@@ -117,12 +117,12 @@ class ExchangeInProgram:
     def _test_program(self, per_replica: list, check: Any, targets: tuple, batch: tuple, plan: tuple) -> dict:
         """The replicas, the exchange, and (when every worker may go on) the metrics on the global batch."""
         step = self._step
-        auxes = step._test(step._state(), per_replica)
-        loss = step._on_host(auxes[0][0])  # the loss summed in the replica program
+        auxes = step._test(step.program.state(), per_replica)
+        loss = step.host_update.on_host(auxes[0][0])  # the loss summed in the replica program
         summed = self._exchange("test", check, [], loss, [aux[1] for aux in auxes], targets, [], plan)
 
         def measure() -> dict:
-            return step._update_metrics(step._batch_tensors((*batch, *summed["targets"])), summed["loss"],
+            return step.host_update.update_metrics(step.host_update.batch_tensors((*batch, *summed["targets"])), summed["loss"],
                                         summed["predictions"])
 
         return dict(check=summed["check"], logs=engine.compiler.run_if(summed["go_on"], measure))
@@ -134,7 +134,7 @@ class ExchangeInProgram:
         or the workers' batch sizes differ (`cross_worker.may_go_on`)."""
         sizes, offset, capacity, batch, dtypes, num_workers = plan
         step = self._step
-        local = [tree.map_structure(lambda leaf, size=size: _first_rows(step._on_host(leaf), size), part)
+        local = [tree.map_structure(lambda leaf, size=size: _first_rows(step.host_update.on_host(leaf), size), part)
                  for part, size in zip(predictions, sizes)]
         placed = tree.map_structure(lambda *leaves: _placed(leaves, offset, capacity), *local)
         flat_predictions = tree.flatten(placed)

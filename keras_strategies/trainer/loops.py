@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import keras
 from keras.src import callbacks as callbacks_module
-from keras.src import optimizers as optimizers_module
 from keras.src import tree
 from keras.src.backend import config
 from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
@@ -28,6 +27,7 @@ from keras_strategies.backend.common import keras_compat
 from keras_strategies.input import worker_sharding
 from keras_strategies.input.keras_input import keras_input
 from keras_strategies.keras_integration import chief_only
+from keras_strategies.trainer.epochs import run_epochs
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
 from keras_strategies.trainer.replica_step import ReplicaStep, step_variables
 from keras_strategies.trainer.stopping import StopAgreement
@@ -213,8 +213,6 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     step = replica_step(model, strategy)
     per_worker = _per_worker_input(strategy, x)
     model.stop_training = False
-    training_logs = {}
-    logs = {}
     callbacks.on_train_begin()
     # BackupAndRestore may have restored the chief's backup: every worker continues from the chief's state.
     strategy.extended._sync_variables_from_chief(also=step_variables(model))
@@ -223,9 +221,9 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     # that epoch resumes after the batches it had trained.
     trained_batches = strategy.extended._broadcast_from_chief(getattr(model, "_ks_initial_batch", 0) or 0)
     model._ks_initial_batch = 0
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        callbacks.on_epoch_begin(epoch)
+
+    def train_epoch(epoch: int) -> dict:
+        nonlocal trained_batches
         _set_mode(model, True)
         logs = {}
         stop = StopAgreement(model, strategy, "stop_training")
@@ -247,25 +245,22 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         trained_batches = 0
         epoch_logs = dict(model._get_metrics_result_or_logs(logs))
         _set_mode(model, False)
-        if validation_data is not None and model._should_eval(epoch, validation_freq):
-            val_logs = evaluate(
-                model, strategy, x=val_x, y=val_y, sample_weight=val_sample_weight,
-                batch_size=validation_batch_size or batch_size, steps=validation_steps,
-                callbacks=callbacks, return_dict=True,
-            )
-            epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        training_logs = epoch_logs
-        # Keras' callbacks stop on global logs, so every worker agrees; a callback that stops one
-        # worker only (a time limit, a file) stops them all: within the epoch at the next step
-        # (`trainer/stopping.py`), on its last step or in `on_epoch_end` here.
-        model.stop_training = strategy.extended._any_worker_has(bool(model.stop_training), "stop agreement")
-        if model.stop_training:
-            break
-    if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
-        model.optimizer.finalize_variable_values(model.trainable_weights)
-    callbacks.on_train_end(logs=training_logs)
-    return model.history
+        return epoch_logs
+
+    def validate() -> dict:
+        return evaluate(
+            model, strategy, x=val_x, y=val_y, sample_weight=val_sample_weight,
+            batch_size=validation_batch_size or batch_size, steps=validation_steps,
+            callbacks=callbacks, return_dict=True,
+        )
+
+    # Keras' callbacks stop on global logs, so every worker agrees; a callback that stops one
+    # worker only (a time limit, a file) stops them all: within the epoch at the next step
+    # (`trainer/stopping.py`), on its last step or in `on_epoch_end`.
+    return run_epochs(
+        model, callbacks, epochs, initial_epoch, train_epoch, validate if validation_data is not None else None,
+        validation_freq, lambda stop: strategy.extended._any_worker_has(stop, "stop agreement"),
+    )
 
 
 def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,

@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 from keras.src import callbacks as callbacks_module
-from keras.src import optimizers as optimizers_module
 from keras.src import tree
 from keras.src.models import model as keras_model
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -26,6 +25,7 @@ from keras.src.utils.python_utils import pythonify_logs
 from keras_strategies.backend import engine
 from keras_strategies.distribute import context
 from keras_strategies.input.options import InputContext
+from keras_strategies.trainer.epochs import run_epochs
 
 # Keras' own callbacks that do their work at epoch ends under the defaults (batch hooks idle).
 _EPOCH_LEVEL = (
@@ -214,7 +214,7 @@ def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Opt
         verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0, validation_data: Any = None,
         shuffle: bool = True, class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0,
         steps_per_epoch: Optional[int] = None, validation_steps: Optional[int] = None,
-        validation_batch_size: Optional[int] = None, validation_freq: int = 1) -> Any:
+        validation_batch_size: Optional[int] = None, validation_freq: Any = 1) -> Any:
     """`Model.fit` under `ParameterServerStrategy` (see the module docstring)."""
     from keras_strategies.coordinator import ClusterCoordinator
 
@@ -252,12 +252,9 @@ def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Opt
         )
     model.stop_training = False
     callbacks.on_train_begin()
-    logs: dict = {}
     initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch  # set by BackupAndRestore
-    evaluate = keras_model.Model.evaluate._ks_original
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        callbacks.on_epoch_begin(epoch)
+
+    def train_epoch(epoch: int) -> dict:
         scheduled = 0
         while scheduled < steps_per_epoch:
             steps = min(per_closure, steps_per_epoch - scheduled)
@@ -266,19 +263,14 @@ def fit(model: Any, strategy: Any, x: Any = None, y: Any = None, batch_size: Opt
             coordinator.schedule(functions[steps], args=(iterator,))
             scheduled += steps
         coordinator.join()
-        logs = dict(pythonify_logs(model.get_metrics_result()))
-        if validation_data is not None and (epoch + 1) % validation_freq == 0:
-            val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
-            val_logs = run_on_chief(
-                evaluate, model, x=val_x, y=val_y, sample_weight=val_sample_weight,
-                batch_size=validation_batch_size or batch_size, steps=validation_steps, verbose=0,
-                return_dict=True,
-            )
-            logs.update({f"val_{name}": value for name, value in val_logs.items()})
-        callbacks.on_epoch_end(epoch, logs)
-        if model.stop_training:
-            break
-    if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
-        model.optimizer.finalize_variable_values(model.trainable_weights)  # use_ema's averages
-    callbacks.on_train_end(logs)
-    return model.history
+        return dict(pythonify_logs(model.get_metrics_result()))
+
+    def validate() -> dict:
+        val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+        return run_on_chief(
+            keras_model.Model.evaluate._ks_original, model, x=val_x, y=val_y, sample_weight=val_sample_weight,
+            batch_size=validation_batch_size or batch_size, steps=validation_steps, verbose=0, return_dict=True,
+        )
+
+    return run_epochs(model, callbacks, epochs, initial_epoch, train_epoch,
+                      validate if validation_data is not None else None, validation_freq)

@@ -166,6 +166,10 @@ def test_cluster_fit_evaluate_and_predict_inside_the_scope(one_worker):
     assert len(evaluation) == 2 and min(evaluation) > 0
 
 
+def test_cluster_fit_validates_on_the_epochs_validation_freq_selects(one_worker):
+    assert one_worker["validation_freq"] == [1, 2]  # validation_freq=2 and [1, 3] over 3 epochs
+
+
 def test_cluster_two_workers_apply_every_step_once(two_workers):
     result = two_workers["two_workers"]
     assert result["iterations"] == 30
@@ -476,6 +480,23 @@ def test_ray_fit_runs_keras_epoch_level_callbacks(ray_engine, tmp_path):
     for run in ("train", "validation"):
         events = glob.glob(os.path.join(logs, run, "events.out.tfevents.*"))
         assert events and any(b"epoch_loss" in open(path, "rb").read() for path in events), (run, events)
+
+
+@pytest.mark.parametrize("validation_freq, validated", [(2, [2]), ([1, 3], [1, 3])], ids=["every-2nd", "list"])
+def test_ray_fit_validates_on_the_epochs_validation_freq_selects(ray_engine, validation_freq, validated):
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    model = _ray_compiled(ks.ParameterServerStrategy(resolver(cluster)))
+    seen = []
+
+    class Validated(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if "val_loss" in logs:
+                seen.append(epoch + 1)
+
+    history = model.fit(RAY_ROWS, RAY_TARGETS, batch_size=8, epochs=3, verbose=0, callbacks=[Validated()],
+                        validation_data=(RAY_ROWS[:16], RAY_TARGETS[:16]), validation_freq=validation_freq)
+    assert seen == validated and len(history.history["val_loss"]) == len(validated)
+    assert len(history.history["loss"]) == 3
 
 
 def test_ray_clear_errors(ray_engine):

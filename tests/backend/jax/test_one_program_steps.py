@@ -15,7 +15,7 @@ import numpy as np
 import keras_strategies as ks
 from keras_strategies.backend.jax import optimizer as jax_optimizer
 from keras_strategies.backend.jax import replicas
-from keras_strategies.trainer import replica_step
+from keras_strategies.trainer import global_update
 
 DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
 
@@ -96,7 +96,7 @@ def test_once_traced_train_and_test_steps_make_no_python_call_to_the_update_or_t
     first = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
     calls = {"update": 0, "metrics": 0}
     for owner, name, key in ((jax_optimizer, "apply_gradients", "update"),
-                             (replica_step.ReplicaStep, "_update_metrics", "metrics")):
+                             (global_update.GlobalUpdate, "update_metrics", "metrics")):
         monkeypatch.setattr(owner, name, _counting(getattr(owner, name), calls, key))
     before = int(model.optimizer.iterations.numpy())
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history

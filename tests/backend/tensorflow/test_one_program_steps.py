@@ -13,7 +13,7 @@ import numpy as np
 
 import keras_strategies as ks
 from keras_strategies.backend.tensorflow import optimizer as tf_optimizer
-from keras_strategies.trainer import replica_step
+from keras_strategies.trainer import global_update
 
 
 def _model():
@@ -31,7 +31,7 @@ def _data():
 def _counted(monkeypatch, calls):
     """Counts the Python calls of the optimizer update and of the metric update."""
     apply = tf_optimizer.apply_gradients
-    update_metrics = replica_step.ReplicaStep._update_metrics
+    update_metrics = global_update.GlobalUpdate.update_metrics
 
     def counted_apply(*args, **kwargs):
         calls["update"] += 1
@@ -42,7 +42,7 @@ def _counted(monkeypatch, calls):
         return update_metrics(self, *args, **kwargs)
 
     monkeypatch.setattr(tf_optimizer, "apply_gradients", counted_apply)
-    monkeypatch.setattr(replica_step.ReplicaStep, "_update_metrics", counted_metrics)
+    monkeypatch.setattr(global_update.GlobalUpdate, "update_metrics", counted_metrics)
 
 
 def test_once_traced_a_train_step_calls_neither_the_update_nor_the_metrics_from_python(monkeypatch):

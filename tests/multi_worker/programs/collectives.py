@@ -79,7 +79,7 @@ def wide_fit() -> None:
         wide_run = keras_run(model, x, y)
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        kinds = ("_OverlappedExchange", "GradientBuckets", "Exchange")
+        kinds = ("OverlappedExchange", "GradientBuckets", "Exchange")
         results["step_objects_in_cycles"] = json.dumps(sorted(type(o).__name__ for o in gc.garbage if type(o).__name__ in kinds))
     finally:
         gc.set_debug(0)

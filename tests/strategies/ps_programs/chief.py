@@ -179,6 +179,12 @@ if scenario == "one_worker":
     with strategy.scope():  # fit, evaluate and predict also run when called inside the scope
         in_scope = fitted.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x[:16], y[:16]))
         results["in_scope"] = [sorted(in_scope.history), len(fitted.predict(x, verbose=0)), fitted.evaluate(x, y, verbose=0)]
+    # Validation on the epochs `validation_freq` selects: every n-th, or a list of epochs.
+    results["validation_freq"] = [
+        len(fitted.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, validation_data=(x[:16], y[:16]),
+                       validation_freq=freq).history.get("val_loss", []))
+        for freq in (2, [1, 3])
+    ]
     results["errors"]["batch_callback"] = error(lambda: fitted.fit(x, y, verbose=0, callbacks=[BatchLogger()]))
     results["errors"]["checkpoint_save_freq"] = error(lambda: fitted.fit(
         x, y, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint("unused.keras", save_freq=2)]))
