@@ -212,12 +212,15 @@ def _ray_model():
 
 
 def _tutorial_custom_loop(strategy, weights, steps):
-    """TensorFlow's parameter-server custom-loop tutorial, with `ks.value_and_grad` and `ks.function`."""
+    """TensorFlow's parameter-server custom-loop tutorial, with `ks.value_and_grad` and `ks.function`.
+
+    As there, the optimizer is not built in the scope: its first `apply_gradients`, in a
+    scheduled step, builds it on the parameter servers.
+    """
     with strategy.scope():
         model = _ray_model()
         model.set_weights(weights)
         optimizer = keras.optimizers.Adam(0.05)
-        optimizer.build(model.trainable_variables)
         train_loss = keras.metrics.Mean()
 
     workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
@@ -273,6 +276,15 @@ def test_ray_custom_loop_with_one_worker_equals_one_device(ray_engine, num_ps, s
     assert len(kernel_pieces) == (shards or 1)
     assert len(registry.layout[registry.keys[id(optimizer.iterations)]]) == 1  # a partitioner leaves scalars whole
     assert {piece[0] for layout in registry.layout.values() for piece in layout} == set(range(num_ps))
+    # Built by the first scheduled step, each slot beside its variable (its pieces on the same servers).
+    assert optimizer.built and len(optimizer.variables) == 2 + 2 * len(model.trainable_variables)
+    for variable in model.trainable_variables:
+        prefix = variable.path.replace("/", "_") + "_"
+        slots = [slot for slot in optimizer.variables if slot.name.startswith(prefix)]
+        assert len(slots) == 2, (variable.path, [v.name for v in optimizer.variables])
+        for slot in slots:
+            placed = [piece[:3] for piece in registry.layout[registry.keys[id(slot)]]]
+            assert placed == [piece[:3] for piece in registry.layout[registry.keys[id(variable)]]]
     assert all(isinstance(value, ks.coordinator.RemoteValue) for value in remote)
     np.testing.assert_allclose([float(v.fetch()) for v in remote], expected_losses, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(coordinator.fetch(remote), expected_losses, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,10 @@ lost worker's closure runs again elsewhere.
 A worker receives closures with copies of the Keras objects they use, reads
 the current values before each closure, and sends its gradients
 (`optimizer.apply`, which `apply_gradients` calls) and other variable changes
-(metrics' `assign_add`, moving statistics) to the shards.
+(metrics' `assign_add`, moving statistics) to the shards. An optimizer first
+used in a closure is built by the chief on the variables it was given (as
+TensorFlow creates slots at the first `apply_gradients`): the closure stops
+before sending anything, and runs again from the same values and input.
 """
 
 from __future__ import annotations
@@ -151,6 +154,30 @@ def _slot_set(optimizer: Any, trainable: list) -> list:
     return [v for v in optimizer.variables if any(v.name.startswith(p) for p in prefixes)]
 
 
+class OptimizerNotPlaced(Exception):
+    """A closure applied gradients with an optimizer that has no variables on the parameter servers yet
+    (created in the scope, first used in a scheduled step): the chief builds it there, and the
+    closure runs again (`BuildRequest`)."""
+
+    def __init__(self, key: int, variables: list):
+        super().__init__(f"optimizer {key} is not on the parameter servers yet")
+        self.key, self.variables = key, variables
+
+
+class BuildRequest:
+    """What a worker answers a closure that stopped at `OptimizerNotPlaced`: which optimizer (its
+    `iterations` key) to build on which variables (their keys). Nothing of the closure was sent
+    to the shards; it runs again from the same values and input elements."""
+
+    def __init__(self, key: int, variables: list):
+        self.key, self.variables = key, variables
+
+
+# A closure's input elements, kept so that a closure run again after a `BuildRequest` reads the
+# same ones: {"taken": [(iterator id, element)], "replay": {iterator id: [elements]}}.
+_CLOSURE_INPUT = threading.local()
+
+
 class _NumpyIterator:
     """Iterates a worker's dataset, giving NumPy values (tf.data tensors included)."""
 
@@ -163,8 +190,16 @@ class _NumpyIterator:
     def __next__(self) -> Any:
         import keras
 
-        element = next(self._iterator)
-        return keras.tree.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, element)
+        state = getattr(_CLOSURE_INPUT, "state", None)
+        queue = state["replay"].get(id(self)) if state is not None else None
+        if queue:
+            element = queue.pop(0)
+        else:
+            element = next(self._iterator)
+            element = keras.tree.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, element)
+        if state is not None:
+            state["taken"].append((id(self), element))
+        return element
 
     def get_next(self) -> Any:
         return next(self)
@@ -189,6 +224,7 @@ class WorkerActor:
         self.functions: dict = {}
         self.definitions: dict = {}
         self.context = threading.local()
+        self._stopped: dict = {}  # closure id -> (snapshot, input elements) of a `BuildRequest`
         from keras_strategies.backend.common.ray_parameter_server import transport
 
         self.transport = transport
@@ -204,6 +240,7 @@ class WorkerActor:
         self.shard_handles.clear()
         self.functions.clear()
         self.definitions.clear()
+        self._stopped.clear()
         self.transport.WORKER_VARIABLES.clear()
         self.transport.WORKER_RESOURCES.clear()
 
@@ -227,13 +264,25 @@ class WorkerActor:
             args, kwargs = transport.loads(call_bytes)
         keys = [k for k in transport.WORKER_VARIABLES if k in self.layout]
         snapshot = self._pull(keys)
+        # A closure that stopped for an optimizer to be built starts again from what it read then.
+        earlier_snapshot, earlier_input = self._stopped.pop(closure_id, ({}, []))
+        self._restore(earlier_snapshot)
+        snapshot.update({key: value for key, value in earlier_snapshot.items() if key in snapshot})
+        replay: dict = {}
+        for iterator_id, element in earlier_input:
+            replay.setdefault(iterator_id, []).append(element)
+        _CLOSURE_INPUT.state = {"taken": [], "replay": replay}
         self.context.closure = (closure_id, snapshot, [0])
         try:
             with _worker_index(self.index):
                 result = fn(*args, **kwargs)
             self._send_changes(closure_id, keys, snapshot)
+        except OptimizerNotPlaced as request:
+            self._stopped[closure_id] = (snapshot, _CLOSURE_INPUT.state["taken"])
+            return self.incarnation, BuildRequest(request.key, request.variables)
         finally:
             self.context.closure = None
+            _CLOSURE_INPUT.state = None
         keras = self.keras
 
         def convert(value: Any) -> Any:
@@ -244,6 +293,14 @@ class WorkerActor:
         return self.incarnation, keras.tree.map_structure(convert, result)
 
     # -- values ----------------------------------------------------------------------------
+
+    def _restore(self, snapshot: dict) -> None:
+        """Gives the worker's variables the values of `snapshot` ({key: value})."""
+        variables = self.transport.WORKER_VARIABLES
+        with self.ops.no_grad():
+            for key, value in snapshot.items():
+                if key in variables:
+                    self.ops.assign(self.keras, variables[key], value)
 
     def _shard(self, index: int) -> Any:
         """The actor of parameter server `index` (looked up by name when first used)."""
@@ -318,14 +375,16 @@ class WorkerActor:
             raise RuntimeError("a parameter-server optimizer can only apply gradients inside a scheduled closure")
         closure_id, snapshot, counter = closure
         spec = self.optimizer_layout.get(key)
-        if spec is None:
-            raise RuntimeError(
-                "This optimizer was created in strategy.scope() but not built there, so its variables have no "
-                "place on the parameter servers. Build it in the scope before scheduling: "
-                "`optimizer.build(model.trainable_variables)`.")
+        keys_of = {id(v): k for k, v in self.transport.WORKER_VARIABLES.items()}
+        if spec is None:  # first used here: the chief builds it, each slot beside its variable
+            placed = [keys_of.get(id(variable)) for variable in variables]
+            missing = [v.path for v, k in zip(variables, placed) if k is None or k not in self.layout]
+            if missing:
+                raise RuntimeError(f"variable {missing[0]} is not on the parameter servers: create it in "
+                                   "strategy.scope() to train it with this optimizer")
+            raise OptimizerNotPlaced(key, placed)
         token = (closure_id, counter[0])
         counter[0] += 1
-        keys_of = {id(v): k for k, v in self.transport.WORKER_VARIABLES.items()}
         by_shard: dict = {shard: {} for shard in spec["shards"]}
         for grad, variable in zip(grads, variables):
             if grad is None:

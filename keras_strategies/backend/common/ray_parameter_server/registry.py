@@ -177,9 +177,10 @@ class Registry:
                 reads.setdefault(shard, []).append(pid)
         return reads
 
-    def assign(self, pieces: dict) -> None:
-        """Gives the chief's variables the values read from the shards ({piece id: value})."""
-        for key in self.snapshot:
+    def assign(self, pieces: dict, keys: Optional[list] = None) -> None:
+        """Gives the chief's variables (`keys`; default: every placed one) the values read from the
+        shards ({piece id: value})."""
+        for key in self.snapshot if keys is None else keys:
             parts = [pieces[pid] for _, _, _, pid in self.layout[key]]
             value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
             self.variables[key].assign(value)

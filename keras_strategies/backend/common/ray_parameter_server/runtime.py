@@ -104,10 +104,11 @@ class WorkerHandle:
         before: it refuses the closure (`WorkerRestarted`), and the closure goes again with everything.
         """
         runtime = self.runtime
-        function_key, function_bytes, resources = runtime._pickled_function(fn)
-        resources = dict(resources)
-        call_bytes = transport.dumps((args, kwargs), runtime.registry.keys, resources)
         while True:
+            # Again after an optimizer was built for this closure: its copy then carries the new slots.
+            function_key, function_bytes, resources = runtime._pickled_function(fn)
+            resources = dict(resources)
+            call_bytes = transport.dumps((args, kwargs), runtime.registry.keys, resources)
             with self._lock:
                 send_function = function_bytes if function_key not in self._sent_functions else None
                 definitions = self._definitions(resources)
@@ -140,6 +141,9 @@ class WorkerHandle:
                 if layout is not None:
                     self._layout_version = version
                 self._incarnation = incarnation
+            if isinstance(result, actors.BuildRequest):  # nothing was applied: build, then run it again
+                runtime.build_optimizer(result.key, result.variables)
+                continue
             return result
 
     def _definitions(self, resources: dict) -> dict:
@@ -217,6 +221,7 @@ class Runtime:
         self._pool = WorkerPool(self, self._all_handles)
         self._functions: dict = {}
         self._functions_lock = threading.Lock()
+        self._placement_lock = threading.RLock()  # `push` from the main thread, builds from closures'
         self._scope_depth = 0
 
     # -- actors ----------------------------------------------------------------------------
@@ -331,12 +336,46 @@ class Runtime:
 
     def push(self) -> None:
         """Places new variables and sends the chief's changes to the shards (before work starts)."""
-        pieces, optimizers = self.registry.place(lambda cls: cloudpickle.dumps(cls))
-        calls = [(s, "setup", (pieces.get(s, {}), optimizers.get(s, {})))
-                 for s in sorted(set(pieces) | set(optimizers))]
-        changes = self.registry.changed()
-        calls += [(s, "write", (values,)) for s, values in sorted(changes.items())]
-        self._call(calls)
+        with self._placement_lock:
+            pieces, optimizers = self.registry.place(lambda cls: cloudpickle.dumps(cls))
+            calls = [(s, "setup", (pieces.get(s, {}), optimizers.get(s, {})))
+                     for s in sorted(set(pieces) | set(optimizers))]
+            changes = self.registry.changed()
+            calls += [(s, "write", (values,)) for s, values in sorted(changes.items())]
+            self._call(calls)
+
+    def build_optimizer(self, key: int, variable_keys: list) -> None:
+        """Builds the optimizer whose `iterations` has registry key `key` on the variables of
+        `variable_keys`, where a closure first used it, and places it on the parameter servers.
+
+        The slots are created on the chief in the registry's scope, so each is placed beside the
+        piece of its variable; the variables take the shards' current values first, which the
+        optimizer's placement sends back with it. Closures of other workers may ask at once:
+        the first builds, the others find it built.
+        """
+        registry = self.registry
+        with self._placement_lock:
+            optimizer = next((o for o in registry.optimizers if registry.keys.get(id(o._iterations)) == key), None)
+            if optimizer is None:
+                raise RuntimeError("a closure applied gradients with an optimizer the chief does not know: create "
+                                   "the optimizer in strategy.scope()")
+            if not optimizer.built:
+                variables = [registry.variables[k] for k in variable_keys]
+                self._refresh(variable_keys)
+                with self.variable_scope():
+                    optimizer.build(variables)
+            self.push()
+
+    def _refresh(self, keys: list) -> None:
+        """Gives the chief's variables `keys` the shards' current values (closures may be running)."""
+        reads: dict = {}
+        for key in keys:
+            for shard, _, _, pid in self.registry.layout[key]:
+                reads.setdefault(shard, []).append(pid)
+        shards = sorted(reads)
+        results = self._call([(s, "read", (reads[s],)) for s in shards])
+        pieces = {pid: v for s, values in zip(shards, results) for pid, v in zip(reads[s], values)}
+        self.registry.assign(pieces, keys)
 
     def pull(self) -> None:
         """Gives the chief's variables the shards' current values (after `join`)."""
