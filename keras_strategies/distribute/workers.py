@@ -28,6 +28,11 @@ class OneWorker:
     def _is_chief(self) -> bool:
         return True
 
+    def _in_multi_worker_mode(self) -> bool:
+        """Whether this strategy has several workers, as tf.distribute's extended says (keras-tuner
+        asks, to let the chief alone report trial results)."""
+        return self._num_workers > 1
+
     def _cross_worker_sum(self, values: list, what: str = "all-reduce", donated: Any = False) -> list:
         """Element-wise sums of a list of tensors over all workers (one worker: unchanged).
 

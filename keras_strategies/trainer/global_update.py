@@ -78,9 +78,15 @@ class GlobalUpdate:
                 variable.assign(engine.devices.copy_to(values[0], host))
 
     def global_predictions(self, sizes: tuple, per_replica_predictions: list) -> Any:
-        """The replicas' predictions of their real rows (`sizes`), concatenated on the host device."""
+        """The replicas' predictions of their real rows (`sizes`), concatenated on the host device.
 
-        def real_rows(prediction: Any, size: int) -> Any:  # no slicing op for a shard without padding
+        `sizes` may instead say only whether each replica has rows (booleans), for shards without
+        padding: each of those replicas' predictions is then taken whole, its rows unknown in a trace.
+        """
+
+        def real_rows(prediction: Any, size: Any) -> Any:  # no slicing op for a shard without padding
+            if size is True:
+                return self.on_host(prediction)
             rows = prediction if prediction.shape[0] == size else prediction[:size]
             return engine.compiler.with_rows(self.on_host(rows), size)
 

@@ -214,6 +214,7 @@ class ReplicaStep:
             self._compiled_steps[kind] = engine.compiler.compile_replicated_step(
                 function, step_variables(self.model), self.devices,
                 getattr(self.strategy.extended, "_replicas_keep_copies", False), finish,
+                any_batch_size=kind == "predict",
             )
         return self._compiled_steps[kind]
 
@@ -364,7 +365,9 @@ class ReplicaStep:
         shards = self._shards(data, "predict")
         per_replica = [(x, mask) for x, _, _, mask in shards.per_replica]
         if self._one_program("predict", shards):
-            return self._compiled_step("predict")(per_replica, (), tuple(shards.sizes))
+            # Unpadded shards need only which replicas have rows: one trace for any batch size.
+            sizes = tuple(shards.sizes) if shards.padded else tuple(size > 0 for size in shards.sizes)
+            return self._compiled_step("predict")(per_replica, (), sizes)
         self.settle()
         outputs = self._predict(self.program.state(with_metrics=False), per_replica)
         if self.num_workers > 1:

@@ -338,3 +338,42 @@ def test_the_launcher_relays_no_gloo_connection_lines(run):
     _, devices, _ = run
     launched, _ = mw_launch._together[devices]
     assert "[worker 0]" in launched.stdout and "[Gloo]" not in launched.stdout + launched.stderr, launched
+
+
+@pytest.mark.parametrize("model_name", ["bert_classifier", "gpt2_causal_lm", "resnet_classifier"])
+def test_keras_hub_models_on_two_workers_equal_a_single_process_run(tmp_path_factory, model_name):
+    """keras-hub's task models (`programs/hub_models.py`) fitted by two workers equal one process on
+    the global batch (ResNet's BatchNormalization normalizes each worker's rows by their own
+    statistics, as under tf.distribute: there, inference with the trained weights does)."""
+    import hub_models
+
+    out = run_together(("keras_hub_fit.py",), 1, tmp_path_factory)
+    workers = [np.load(out / f"hub_worker_{i}.npz") for i in range(2)]
+    build, make_data, batch_normalized = hub_models.MODELS[model_name]
+    data = make_data()
+    reference = build()
+    reference.set_weights(_load(out / f"hub_{model_name}_initial.npz"))
+    history = hub_models.fit(reference, data)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for results in workers:
+        weights = _weights_of(results, model_name)
+        for a, b in zip(weights, _weights_of(workers[0], model_name)):
+            np.testing.assert_array_equal(a, b)  # every worker holds the same weights
+        assert float(results[f"{model_name}/loaded_difference"]) == 0.0
+        if batch_normalized:
+            losses = results[f"{model_name}/history/loss"]
+            assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+            reference.set_weights(weights)
+        else:
+            for key, values in history.items():
+                np.testing.assert_allclose(results[f"{model_name}/history/{key}"], values, err_msg=key, **tol)
+            for got, expected in zip(weights, reference.get_weights()):
+                np.testing.assert_allclose(got, expected, **tol)
+        for key, value in hub_models.evaluate(reference, data).items():
+            np.testing.assert_allclose(results[f"{model_name}/evaluate/{key}"], value, err_msg=key, **tol)
+        np.testing.assert_allclose(results[f"{model_name}/predict"], hub_models.predict(reference, data), **tol)
+
+
+def _weights_of(results, model_name):
+    keys = [k for k in results.files if k.startswith(f"{model_name}/weight/")]
+    return [results[k] for k in sorted(keys, key=lambda k: int(k.rsplit("/", 1)[1]))]

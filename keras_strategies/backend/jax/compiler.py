@@ -56,7 +56,8 @@ def with_rows(value: Any, rows: int) -> Any:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
+                            keep_copies: bool, finish: Optional[Callable[[list], None]],
+                            any_batch_size: bool = False) -> Callable:
     """A whole train, test or predict step around the replica program as one jitted program over
     the replicas' mesh, whose `variables` stay on the mesh between steps.
 
@@ -69,7 +70,8 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     as under `keras.distribution.DataParallel`. The values the step assigns
     are written back afterwards, still on every device, so the next step sends
     no state: only the batch travels. `settle` brings the variables back to one
-    device when a loop ends. One trace per batch shape and shard sizes.
+    device when a loop ends. One trace per batch shape and shard sizes, `any_batch_size` or not
+    (XLA compiles static shapes).
 
     A train step's `fn` returns `(logs, the non-trainable values of each replica
     with rows)`; `finish(those values)` assigns them inside a group of steps

@@ -35,7 +35,8 @@ def compile_function(fn: Callable) -> Callable:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
+                            keep_copies: bool, finish: Optional[Callable[[list], None]],
+                            any_batch_size: bool = False) -> Callable:
     """Compiles a whole train, test or predict step around the replica program into one `tf.function`.
 
     `fn` runs the replicas (`make_replicated`), then the optimizer update and the
@@ -49,8 +50,11 @@ def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Seq
     A train step's `fn` returns `(logs, the non-trainable values of each replica
     with rows)`; `finish(those values)` assigns them inside a group of steps
     (`step_group`), where the caller assigns them after a single step.
+    `any_batch_size` (a predict step, which no metric weighs by its static batch
+    size): after a second batch shape, one trace serves every batch size, as
+    Keras' own predict function (`reduce_retracing`), instead of one each.
     """
-    step = tf.function(functools.partial(fn), autograph=False)
+    step = tf.function(functools.partial(fn), autograph=False, reduce_retracing=any_batch_size)
 
     def one_step(per_replica: Any, batch: tuple, sizes: tuple) -> Any:
         output = fn(per_replica, batch, sizes)

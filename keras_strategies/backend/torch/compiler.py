@@ -26,9 +26,11 @@ def with_rows(value: Any, rows: int) -> Any:
 
 
 def compile_replicated_step(fn: Callable, variables: Sequence[Any], devices: Sequence[str],
-                            keep_copies: bool, finish: Optional[Callable[[list], None]]) -> Callable:
+                            keep_copies: bool, finish: Optional[Callable[[list], None]],
+                            any_batch_size: bool = False) -> Callable:
     """A whole train, test or predict step around the replica program runs eagerly, like the rest
-    (`variables`, `devices`, `keep_copies` and `finish` matter to JAX's engine only)."""
+    (`variables`, `devices`, `keep_copies` and `finish` matter to JAX's engine only, `any_batch_size`
+    to TensorFlow's)."""
     return fn
 
 

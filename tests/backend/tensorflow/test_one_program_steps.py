@@ -71,3 +71,24 @@ def test_once_traced_a_test_step_calls_no_metric_update_from_python(monkeypatch)
     assert calls == {"update": 0, "metrics": 0}
     assert again == first and first["loss"] > 0 and first["mae"] > 0
 
+
+
+def test_predict_on_batches_of_many_sizes_stops_tracing_its_step_and_warns_of_no_retracing(caplog):
+    # As Keras' own predict function (`reduce_retracing`): after a few batch shapes, one trace
+    # serves every batch size; TensorFlow warned of frequent retracing when each size had its own.
+    import logging
+
+    with ks.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = _model()
+    reference = _model()
+    rng = np.random.default_rng(1)
+    traces = {}
+    with caplog.at_level(logging.WARNING):
+        for rows in range(1, 14):
+            x = rng.normal(size=(rows, 4)).astype("float32")
+            np.testing.assert_allclose(model.predict(x, batch_size=rows, verbose=0),
+                                       reference.predict(x, batch_size=rows, verbose=0), rtol=1e-6, atol=1e-6)
+            step = model._ks_replica_step.train_step.__self__._compiled_steps["predict"]
+            traces[rows] = step._step.experimental_get_tracing_count()
+    assert not [record for record in caplog.records if "retracing" in record.getMessage()]
+    assert traces[13] == traces[4] <= 4, traces  # none after the fourth size
