@@ -17,27 +17,38 @@ KERAS_NEXT_STAMP := $(KERAS_NEXT_VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements-dev.txt requirements-docs.txt pyproject.toml
+# The Keras libraries of requirements-libraries.txt, keras-hub without its dependencies (see there).
+define install_libraries
+	$(1) -m pip install --quiet -r requirements-libraries.txt
+	$(1) -m pip install --quiet --no-deps $$(sed -n 's/^# no-deps: //p' requirements-libraries.txt)
+endef
+
+$(STAMP): requirements-dev.txt requirements-docs.txt requirements-libraries.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(call install_libraries,$(PY))
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-$(KERAS_MIN_STAMP): requirements-keras-min.txt pyproject.toml
+$(KERAS_MIN_STAMP): requirements-keras-min.txt requirements-libraries.txt pyproject.toml
 	test -x $(KERAS_MIN_PY) || $(PYTHON) -m venv $(KERAS_MIN_VENV)
 	$(KERAS_MIN_PY) -m pip install --quiet --upgrade pip
 	$(KERAS_MIN_PY) -m pip install --quiet -r requirements-keras-min.txt
+	$(call install_libraries,$(KERAS_MIN_PY))
 	$(KERAS_MIN_PY) -m pip install --quiet --no-deps -e .
 	touch $(KERAS_MIN_STAMP)
 
-# keras-nightly installs the `keras` package under another name: TensorFlow's dependency on `keras`
-# brings a release beside it, which is removed, and the development build is laid down again.
-$(KERAS_NEXT_STAMP): requirements-keras-next.txt pyproject.toml
+# keras-nightly installs the `keras` package under another name: TensorFlow's and keras-tuner's
+# dependency on `keras` brings a release beside it, which is removed, and the development build is
+# laid down again.
+$(KERAS_NEXT_STAMP): requirements-keras-next.txt requirements-libraries.txt pyproject.toml
 	test -x $(KERAS_NEXT_PY) || $(PYTHON) -m venv $(KERAS_NEXT_VENV)
 	$(KERAS_NEXT_PY) -m pip install --quiet --upgrade pip
 	$(KERAS_NEXT_PY) -m pip install --quiet -r requirements-keras-next.txt
-	$(KERAS_NEXT_PY) -m pip uninstall --quiet --yes keras
+	$(call install_libraries,$(KERAS_NEXT_PY))
+	$(KERAS_NEXT_PY) -m pip uninstall --quiet --yes keras keras-hub
+	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps $$(sed -n 's/^# no-deps: //p' requirements-keras-next.txt)
 	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps --force-reinstall $$(grep '^keras-nightly==' requirements-keras-next.txt)
 	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps -e .
 	touch $(KERAS_NEXT_STAMP)

@@ -63,12 +63,13 @@ def gpt2_data():
 
 
 def resnet_classifier():
-    """A ResNet image classifier (`ImageClassifier` on a two-stack basic-block `ResNetBackbone`)."""
+    """A ResNet image classifier (`ImageClassifier` on a one-block `ResNetBackbone`; keras-hub asks
+    for 64 filters in the first stack)."""
     import keras_hub
 
     backbone = keras_hub.models.ResNetBackbone(
-        input_conv_filters=[4], input_conv_kernel_sizes=[3], stackwise_num_filters=[4, 8],
-        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
+        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64],
+        stackwise_num_blocks=[1], stackwise_num_strides=[1], block_type="basic_block",
         image_shape=(8, 8, 3),
     )
     model = keras_hub.models.ImageClassifier(backbone, num_classes=3, preprocessor=None)
