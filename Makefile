@@ -48,7 +48,7 @@ $(KERAS_NEXT_STAMP): requirements-keras-next.txt requirements-libraries.txt pypr
 	$(KERAS_NEXT_PY) -m pip install --quiet -r requirements-keras-next.txt
 	$(call install_libraries,$(KERAS_NEXT_PY))
 	$(KERAS_NEXT_PY) -m pip uninstall --quiet --yes keras keras-hub
-	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps $$(sed -n 's/^# no-deps: //p' requirements-keras-next.txt)
+	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps --force-reinstall $$(sed -n 's/^# no-deps: //p' requirements-keras-next.txt)
 	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps --force-reinstall $$(grep '^keras-nightly==' requirements-keras-next.txt)
 	$(KERAS_NEXT_PY) -m pip install --quiet --no-deps -e .
 	touch $(KERAS_NEXT_STAMP)
