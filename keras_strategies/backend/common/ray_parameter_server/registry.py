@@ -169,10 +169,10 @@ class Registry:
                 writes.setdefault(shard, {})[pid] = value if start is None else value[start:stop]
         return writes
 
-    def reads(self) -> dict:
-        """{shard: [piece ids]} to read every placed variable."""
+    def reads(self, keys: Optional[list] = None) -> dict:
+        """{shard: [piece ids]} to read the variables `keys` (default: every placed one)."""
         reads: dict = {}
-        for key in self.snapshot:
+        for key in self.snapshot if keys is None else keys:
             for shard, _, _, pid in self.layout[key]:
                 reads.setdefault(shard, []).append(pid)
         return reads

@@ -368,22 +368,18 @@ class Runtime:
 
     def _refresh(self, keys: list) -> None:
         """Gives the chief's variables `keys` the shards' current values (closures may be running)."""
-        reads: dict = {}
-        for key in keys:
-            for shard, _, _, pid in self.registry.layout[key]:
-                reads.setdefault(shard, []).append(pid)
-        shards = sorted(reads)
-        results = self._call([(s, "read", (reads[s],)) for s in shards])
-        pieces = {pid: v for s, values in zip(shards, results) for pid, v in zip(reads[s], values)}
-        self.registry.assign(pieces, keys)
+        self._read_into_chief(keys, forget_tokens=False)
 
     def pull(self) -> None:
         """Gives the chief's variables the shards' current values (after `join`)."""
-        reads = self.registry.reads()
-        shards = sorted(reads)
         # The queue is idle: no closure can run again, so the shards may forget their update tokens.
-        results = self._call([(s, "read", (reads[s], True)) for s in shards])
-        self.registry.assign({pid: v for s, values in zip(shards, results) for pid, v in zip(reads[s], values)})
+        self._read_into_chief(None, forget_tokens=True)
+
+    def _read_into_chief(self, keys: Optional[list], forget_tokens: bool) -> None:
+        reads = self.registry.reads(keys)
+        shards = sorted(reads)
+        results = self._call([(s, "read", (reads[s], forget_tokens)) for s in shards])
+        self.registry.assign({pid: v for s, values in zip(shards, results) for pid, v in zip(reads[s], values)}, keys)
 
     def _call(self, calls: list) -> list:
         refs = [getattr(self.shards[shard], method).remote(*args) for shard, method, args in calls]
