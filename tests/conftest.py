@@ -89,6 +89,7 @@ _PROCESS_TESTS = (
     "tests/tutorials/",
     "tests/distribute/test_devices.py::test_environment_variable_and_function_in_a_fresh_process",
     "tests/test_readme.py::",
+    "tests/test_guides.py::test_the_",
     "tests/console/test_quiet_tensorflow.py::test_keras_importing_tensorflow_",
     "tests/strategies/test_parameter_server.py::test_cluster_",
     "tests/strategies/test_parameter_server.py::test_ray_",
