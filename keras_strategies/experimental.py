@@ -10,7 +10,8 @@ TensorFlow. Preemption handling for custom loops (`PreemptionCheckpointHandler`,
 `TerminationConfig`) saves a `Checkpoint` / `CheckpointManager`, the portable
 counterparts of `tf.train`'s. `ks.experimental.partitioners` holds the variable partitioners of
 ParameterServerStrategy (`import keras_strategies.experimental.partitioners`
-works too). Strategies and tools this package does not provide raise an
+works too). `ShardedDataParallelStrategy` is this package's own: data parallelism with the
+optimizer state sharded across the devices (ZeRO). Strategies and tools this package does not provide raise an
 `AttributeError` that says so.
 
 Examples:
@@ -38,6 +39,7 @@ from keras_strategies.multi_worker.communication import CommunicationImplementat
 from keras_strategies.strategies.central_storage import CentralStorageStrategy
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from keras_strategies.strategies.parameter_server import ParameterServerStrategy
+from keras_strategies.strategies.sharded_data_parallel import ShardedDataParallelStrategy
 from keras_strategies.strategies.tpu import TPUStrategy
 
 CollectiveCommunication = CommunicationImplementation
@@ -54,6 +56,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "PreemptionCheckpointHandler",
+    "ShardedDataParallelStrategy",
     "TPUStrategy",
     "TerminationConfig",
     "ValueContext",

@@ -218,6 +218,16 @@ class StrategyExtended(CrossReplicaHelpers, HostReductions, OneWorker):
             raise NotImplementedError(f"{type(self).__name__} has no all_gather for several replicas.")
         return value
 
+    # --- updates ------------------------------------------------------------
+    # Whether `fit` may compile the optimizer update into one program with the replicas' step;
+    # a strategy that updates each device's shard of the state on that device says no.
+    _update_in_whole_step = True
+
+    def _apply_update(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        """The one update of `variables` with the gradients summed over every replica, on the host
+        device: the optimizer's own (`fit`'s update and `apply_gradients` inside `run` both come here)."""
+        engine.optimizer.apply_gradients(optimizer, grads, variables)
+
     # --- Keras integration --------------------------------------------------
     def _run_keras_method(self, name: str, method: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
         """Runs a Keras `fit`/`evaluate`/`predict`/`*_on_batch` call of a model built in scope.

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import numpy as np
 import keras
 
+from keras_strategies.sharding import optimizer_state
+
 _SUFFIX = ".npz"
 
 
@@ -67,8 +69,11 @@ class Checkpoint:
         """Writes every variable's value to `file_prefix + ".npz"`; returns `file_prefix`."""
         values = {}
         for name in self._objects:
-            for i, variable in enumerate(self._variables(name)):
-                values[f"{name}/{i}"] = np.asarray(keras.ops.convert_to_numpy(variable.value))
+            whole = optimizer_state.whole_state(self._objects[name])  # an optimizer's state split over devices
+            if whole is None:
+                whole = [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in self._variables(name)]
+            for i, value in enumerate(whole):
+                values[f"{name}/{i}"] = value
         directory = os.path.dirname(os.path.abspath(file_prefix))
         os.makedirs(directory, exist_ok=True)
         pending = f"{file_prefix}.pending{_SUFFIX}"
@@ -92,6 +97,9 @@ class Checkpoint:
             for name, keys in stored.items():
                 variables = self._variables(name)
                 obj = self._objects[name]
+                if isinstance(obj, keras.optimizers.Optimizer) and optimizer_state.load_whole_state(
+                        obj, [saved[key] for key in keys]):
+                    continue  # into the pieces of a state split over devices
                 if len(keys) > len(variables) and getattr(obj, "built", True) is False and hasattr(obj, "build"):
                     obj.build(_trainable_variables(self._objects))  # an optimizer before its first step
                     variables = self._variables(name)

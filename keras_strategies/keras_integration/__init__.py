@@ -24,6 +24,7 @@ from keras_strategies.keras_integration import (
     optimizer_hooks,
     ownership,
     replica_seeds,
+    sharded_saving,
 )
 
 
@@ -43,4 +44,5 @@ def install() -> None:
     chief_only.install()
     backup_and_restore.install()
     replica_seeds.install()
+    sharded_saving.install()
     engine.keras_hooks.install(context)

@@ -56,7 +56,7 @@ def _wrap_apply(original: Callable) -> Callable:
                 "across replicas and applied once."
             )
 
-        def update(_strategy):
+        def update(current):
             if not self.built and trainable_variables is not None:
                 # Built at the first update, which may be traced inside a compiled step: its
                 # variables are created outside the trace, as tf-keras creates its slots.
@@ -66,7 +66,7 @@ def _wrap_apply(original: Callable) -> Callable:
             with direct_update():
                 if trainable_variables is None:
                     return original(self, grads, trainable_variables)
-                return engine.optimizer.apply_gradients(self, grads, list(trainable_variables))
+                return current.extended._apply_update(self, grads, list(trainable_variables))
 
         if strategy.num_replicas_in_sync == 1:
             # The engine's update too: on JAX a stateful `LossScaleOptimizer` cannot run eagerly.

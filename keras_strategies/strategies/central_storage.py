@@ -29,14 +29,15 @@ class CentralStorageExtended(MirroredExtended):
         return self._parameter_device
 
 
-def _refuse_a_cluster() -> None:
+def refuse_a_cluster(strategy_name: str = "CentralStorageStrategy",
+                     instead: str = "ks.MultiWorkerMirroredStrategy or ks.ParameterServerStrategy") -> None:
+    """Refuses a TF_CONFIG cluster of several tasks for a strategy of one machine."""
     spec = TFConfigClusterResolver().cluster_spec()
     tasks = sum(spec.num_tasks(job) for job in spec.jobs if job != "evaluator")
     if tasks > 1:
         raise ValueError(
-            f"CentralStorageStrategy trains on one machine, but TF_CONFIG describes a cluster of {tasks} "
-            f"tasks ({spec.as_dict()}). Use ks.MultiWorkerMirroredStrategy or ks.ParameterServerStrategy "
-            "for several machines, or unset TF_CONFIG."
+            f"{strategy_name} trains on one machine, but TF_CONFIG describes a cluster of {tasks} "
+            f"tasks ({spec.as_dict()}). Use {instead} for several machines, or unset TF_CONFIG."
         )
 
 
@@ -67,7 +68,7 @@ class CentralStorageStrategy(Strategy):
     """
 
     def __init__(self, compute_devices: Optional[Sequence[str]] = None, parameter_device: Optional[str] = None):
-        _refuse_a_cluster()
+        refuse_a_cluster()
         devices = default_compute_devices() if compute_devices is None else resolve_devices(compute_devices)
         if parameter_device is None:
             parameter = devices[0] if len(devices) == 1 else "cpu:0"

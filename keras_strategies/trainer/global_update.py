@@ -36,6 +36,7 @@ class GlobalUpdate:
         self.model = model
         self.host = strategy.extended._variable_device  # where variables live and updates run
         self.cross_device_ops = strategy.extended._cross_device_ops
+        self._apply_update = strategy.extended._apply_update
         self._compiled_metrics = None
 
     def on_host(self, value: Any) -> Any:
@@ -141,5 +142,5 @@ class GlobalUpdate:
         """Applies the summed gradients once, then updates the metrics on the global batch."""
         model = self.model
         with engine.devices.device_scope(self.host), optimizer_hooks.direct_update():
-            engine.optimizer.apply_gradients(model.optimizer, grads, model.trainable_variables)
+            self._apply_update(model.optimizer, grads, model.trainable_variables)
         return self.update_metrics(batch, loss, predictions)

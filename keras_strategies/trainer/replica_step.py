@@ -203,7 +203,8 @@ class ReplicaStep:
     def _whole_steps(self) -> bool:
         """What a whole compiled step needs of every batch: compiled steps, sums made in the replica
         program, one worker."""
-        return self._compiled and self.reduce_in_program and self.num_workers == 1
+        return (self._compiled and self.reduce_in_program and self.num_workers == 1
+                and self.strategy.extended._update_in_whole_step)
 
     def _compiled_step(self, kind: str) -> Callable:
         """`_train_and_update`, `_test_and_measure` or `_predict_all`, compiled as a whole on first use."""
@@ -251,7 +252,7 @@ class ReplicaStep:
         model = self.model
         if isinstance(model.optimizer, LossScaleOptimizer) or self._loss_scale() != 1.0:
             return None
-        if self._compiled and not model.optimizer.built:  # no variables are created inside a compiled step
+        if self._whole_steps() and not model.optimizer.built:  # no variables are created inside a compiled step
             model.optimizer.build(model.trainable_variables)
         return self._steps_as_one("train", batches)
 

@@ -1,0 +1,97 @@
+"""`ShardedDataParallelStrategy`: data parallelism whose optimizer state is split over the devices.
+
+ZeRO's first stage (Rajbhandari et al., 2020): the replicas run Mirrored's
+steps (each computes the gradients of its shard of the global batch, summed
+across replicas), but instead of one update of every variable with the whole
+optimizer state, each device keeps 1/N of the state (`sharding/optimizer_state.py`)
+and updates its piece of every variable; the pieces are gathered back into
+the variables. The largest optimizer state that fits is N times Mirrored's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from keras_strategies.distribute.devices import default_compute_devices, resolve_devices
+from keras_strategies.distribute.strategy import Strategy
+from keras_strategies.sharding import optimizer_state
+from keras_strategies.strategies.central_storage import refuse_a_cluster
+from keras_strategies.strategies.mirrored import MirroredExtended
+
+STAGES = (1,)  # the ZeRO stages this strategy implements
+
+
+class ShardedDataParallelExtended(MirroredExtended):
+    """Mirrored's replica steps; the update of each variable's pieces on the devices holding their state."""
+
+    _update_in_whole_step = False
+    _shards_optimizer_state = True
+
+    def __init__(self, container, devices: Sequence[str], stage: int):
+        super().__init__(container, devices, cross_device_ops=None)
+        self._stage = stage
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage: 1, the optimizer state is sharded."""
+        return self._stage
+
+    def _custom_steps_untraceable(self) -> Optional[str]:
+        if len(self._devices) > 1:
+            return "ShardedDataParallelStrategy updates each device's piece of the optimizer state on that device"
+        return super()._custom_steps_untraceable()
+
+    def _apply_update(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        if len(self._devices) == 1:
+            return super()._apply_update(optimizer, grads, variables)
+        state = optimizer_state.state_for(optimizer, variables, self._devices, self._variable_device,
+                                          type(self._container).__name__)
+        state.apply(grads)
+
+    def optimizer_state(self, optimizer: Any) -> Optional[optimizer_state.ShardedOptimizerState]:
+        """`optimizer`'s state split over the devices (its pieces and their bytes), once it has updated."""
+        return optimizer_state.state_of(optimizer)
+
+
+class ShardedDataParallelStrategy(Strategy):
+    """Synchronous data parallelism on the devices of one machine with the optimizer state
+    sharded across them (ZeRO stage 1).
+
+    Each global batch is split across the devices as under `ks.MirroredStrategy`
+    and the replicas' gradients are summed; each device then keeps 1/N of the
+    optimizer's state (Adam's moments, momentum, ...) and updates its piece of
+    every variable, and the pieces are gathered into the variables. Training,
+    the logged loss and the metrics equal one device with the same global
+    batch; a variable of any shape is cut into N equal flat pieces (the last
+    one padded). The optimizer's update must be elementwise (SGD, Adam, AdamW,
+    RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion). Checkpoints hold the
+    state whole, so they load under any strategy and replica count.
+
+    Args:
+        devices: Device names of the replicas; `None` means every local
+            accelerator, or every (virtual) CPU device when there is none.
+        stage: The ZeRO stage; 1 (the optimizer state sharded) is implemented.
+
+    Examples:
+        >>> strategy = ks.experimental.ShardedDataParallelStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.num_replicas_in_sync, strategy.extended.stage
+        (2, 1)
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> history = model.fit(np.ones((8, 4)), np.ones((8, 3)), batch_size=4, verbose=0)
+        >>> strategy.extended.optimizer_state(model.optimizer).slot_bytes_per_replica()
+        [64, 64]
+    """
+
+    def __init__(self, devices: Optional[Sequence[str]] = None, stage: int = 1):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3 (the ZeRO stages), got {stage!r}.")
+        if stage not in STAGES:
+            raise ValueError(
+                f"ShardedDataParallelStrategy implements stage 1 (the optimizer state sharded); stage {stage} "
+                "(gradients" + (" and parameters" if stage == 3 else "") + " sharded too) is not available yet. "
+                "Use stage=1.")
+        refuse_a_cluster("ShardedDataParallelStrategy", "ks.MultiWorkerMirroredStrategy")
+        resolved = default_compute_devices() if devices is None else resolve_devices(devices)
+        super().__init__(ShardedDataParallelExtended(self, resolved, stage))
