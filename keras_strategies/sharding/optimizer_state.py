@@ -71,7 +71,7 @@ def _outside_strategies() -> Iterator[None]:
     """Where the pieces are made: plain variables on the device named, outside every strategy,
     replica and compiled trace (the strategy would place them on its host device)."""
     with replica_variables.outside_stateless_scopes(), context.enter_frame(context.default_strategy(), None), \
-            engine.compiler.outside_replicas():
+            engine.compiler.outside_compiled(), engine.compiler.outside_replicas():
         yield
 
 
@@ -85,23 +85,28 @@ class ShardedOptimizerState:
     def __init__(self, optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str):
         self.optimizer, self.variables = optimizer, list(variables)
         self.devices, self.host = tuple(devices), host
-        config = dict(optimizer.get_config(), clipnorm=None, clipvalue=None, global_clipnorm=None,
-                      loss_scale_factor=None)
         self.pieces: list = []  # pieces[i][j]: device i's piece of variable j
         self.optimizers: list = []  # device i's copy of the optimizer, built on pieces[i]
         self.references: list = []  # for each variable of a copy: the variable it mirrors (an index) or None
         with _outside_strategies():
-            for i, device in enumerate(self.devices):
-                with engine.devices.device_scope(device):
-                    pieces = [keras.Variable(np.zeros((flat_shards.piece_length(v.shape, len(self.devices)),),
-                                                      keras.backend.standardize_dtype(v.dtype)),
-                                             name=v.name, trainable=True) for v in self.variables]
-                    copy = type(optimizer).from_config(config)
-                    self._exclude_like(copy, pieces)
-                    references = self._build(copy, pieces, {id(p): j for j, p in enumerate(pieces)})
-                self.pieces.append(pieces)
-                self.optimizers.append(copy)
-                self.references = references
+            self._make_pieces()
+
+    def _make_pieces(self) -> None:
+        """The pieces and the optimizer's copies, initialised from any whole state it holds or loaded."""
+        optimizer = self.optimizer
+        config = dict(optimizer.get_config(), clipnorm=None, clipvalue=None, global_clipnorm=None,
+                      loss_scale_factor=None)
+        for i, device in enumerate(self.devices):
+            with engine.devices.device_scope(device):
+                pieces = [keras.Variable(np.zeros((flat_shards.piece_length(v.shape, len(self.devices)),),
+                                                  keras.backend.standardize_dtype(v.dtype)),
+                                         name=v.name, trainable=True) for v in self.variables]
+                copy = type(optimizer).from_config(config)
+                self._exclude_like(copy, pieces)
+                references = self._build(copy, pieces, {id(p): j for j, p in enumerate(pieces)})
+            self.pieces.append(pieces)
+            self.optimizers.append(copy)
+            self.references = references
         pending = getattr(optimizer, _PENDING, None)
         if pending is not None:
             object.__setattr__(optimizer, _PENDING, None)
@@ -264,6 +269,25 @@ def load_whole_state(optimizer: Any, values: Sequence[Any]) -> bool:
         state.load(values)
         return True
     if not optimizer.built and len(values) > len(optimizer.variables) and shards_state(optimizer):
-        keep_pending(optimizer, [np.asarray(v) for v in values])
+        values = [np.asarray(v) for v in values]
+        # An optimizer's own variables (iterations, learning rate) come first in its whole state.
+        for variable, value in zip(optimizer.variables, values):
+            if tuple(variable.shape) == value.shape:
+                variable.assign(value)
+        keep_pending(optimizer, values)
         return True
     return False
+
+
+@contextlib.contextmanager
+def left_unbuilt(optimizer: Any) -> Iterator[None]:
+    """Keras builds an unbuilt optimizer whole with its model (`Trainer._symbolic_build`); one whose
+    strategy shards its state is built in pieces at its first update instead, never whole."""
+    if optimizer is None or optimizer.built or not shards_state(optimizer):
+        yield
+        return
+    optimizer.built = True  # seen as built by the block only
+    try:
+        yield
+    finally:
+        optimizer.built = False

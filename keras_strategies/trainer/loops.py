@@ -27,6 +27,7 @@ from keras_strategies.backend.common import keras_compat
 from keras_strategies.input import worker_sharding
 from keras_strategies.input.keras_input import keras_input
 from keras_strategies.keras_integration import chief_only
+from keras_strategies.sharding import optimizer_state
 from keras_strategies.trainer.epochs import run_epochs
 from keras_strategies.trainer.custom_step import CustomStep, overrides_step
 from keras_strategies.trainer.replica_step import ReplicaStep, step_variables
@@ -122,10 +123,12 @@ def _symbolic_build(model: Any, kind: str, **batch: Any) -> None:
     generator and discriminator) cannot be built that way. Keras' own
     TensorFlow trainer does not try (it builds when the step is first traced),
     so where Keras defers (`engine.capabilities.defers_build`) such a model runs
-    its step unbuilt, as it does without a strategy.
+    its step unbuilt, as it does without a strategy. An optimizer whose state the strategy
+    shards stays unbuilt (built in pieces at its first update).
     """
     try:
-        model._symbolic_build(**batch)
+        with optimizer_state.left_unbuilt(getattr(model, "optimizer", None)):
+            model._symbolic_build(**batch)
     except RuntimeError:
         if not (engine.capabilities.defers_build and overrides_step(model, kind)):
             raise

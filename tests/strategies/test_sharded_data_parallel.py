@@ -1,0 +1,221 @@
+"""`ShardedDataParallelStrategy`: training equals one device, each device holds 1/N of the
+optimizer state, checkpoints are whole and load across replica counts and strategies."""
+
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_strategies as ks
+from keras_strategies.backend import engine
+
+TORCH = keras.backend.backend() == "torch"  # torch's CPU replicas share the one "cpu" device
+ROWS, FEATURES = 14, 5
+
+
+def devices(n):
+    return [f"cpu:{i}" for i in range(n)]
+
+
+def data():
+    x = np.linspace(-1, 1, ROWS * FEATURES, dtype="float32").reshape(ROWS, FEATURES)
+    return x, np.tanh(x @ np.linspace(-1, 1, FEATURES * 3, dtype="float32").reshape(FEATURES, 3))
+
+
+def build(optimizer):
+    # Dense(7): a kernel of 35 and a bias of 7 elements, neither divisible by 2 or 4.
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(7, activation="tanh", name="hidden"),
+                              keras.layers.Dense(3, name="out")])
+    model.compile(loss="mse", optimizer=optimizer(), metrics=["mae"])
+    return model
+
+
+def assert_close(got, expected):
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def sharded_and_reference(strategy, optimizer):
+    with strategy.scope():
+        model = build(optimizer)
+    reference = build(optimizer)
+    model.set_weights(reference.get_weights())
+    return model, reference
+
+
+def adamw_without_decay_on_biases():
+    optimizer = keras.optimizers.AdamW(0.02, weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
+OPTIMIZERS = {
+    "adam-global-clipnorm": lambda: keras.optimizers.Adam(0.02, global_clipnorm=0.5),
+    "sgd-momentum-clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.3),
+    "adamw-excluded-biases": adamw_without_decay_on_biases,
+    "rmsprop-schedule": lambda: keras.optimizers.RMSprop(keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)),
+}
+
+
+@pytest.mark.parametrize("replicas, batch_size", [(2, 4), (4, 6)])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_fit_evaluate_predict_equal_one_device(replicas, batch_size, optimizer):
+    """Uneven shards (6 rows on 4 replicas), a partial last batch (14 rows), clipping after the sum."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(replicas))
+    model, reference = sharded_and_reference(strategy, OPTIMIZERS[optimizer])
+    x, y = data()
+    kwargs = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    got, expected = model.fit(x, y, **kwargs).history, reference.fit(x, y, **kwargs).history
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6)
+    assert_close(model.get_weights(), reference.get_weights())
+    state = strategy.extended.optimizer_state(model.optimizer)
+    assert_close(state.whole_values(), [v.numpy() for v in reference.optimizer.variables])
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+    assert_close([model.evaluate(x, y, batch_size=batch_size, verbose=0)],
+                 [reference.evaluate(x, y, batch_size=batch_size, verbose=0)])
+    assert_close([model.predict(x, batch_size=batch_size, verbose=0)],
+                 [reference.predict(x, batch_size=batch_size, verbose=0)])
+
+
+def test_each_device_holds_its_piece_of_the_optimizer_state():
+    """The pieces' shapes, devices and bytes: ceil(size / 4) elements of each slot per device; the
+    optimizer itself is never built whole."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(4))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(130), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer="adam")
+    x = np.random.default_rng(0).normal(size=(8, 64)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, verbose=0)
+    state = strategy.extended.optimizer_state(model.optimizer)
+    assert not model.optimizer.built and len(model.optimizer.variables) == 2  # iterations, learning rate
+    for i, pieces in enumerate(state.pieces):
+        assert [tuple(p.shape) for p in pieces] == [(math.ceil(math.prod(v.shape) / 4),) for v in model.trainable_variables]
+        if not TORCH:
+            assert {engine.devices.device_of(v) for v in pieces + state.optimizers[i].variables} == {f"cpu:{i}"}
+    # Adam: two slots per variable, float32.
+    whole = sum(2 * 4 * math.prod(v.shape) for v in model.trainable_variables)
+    expected = [2 * 4 * sum(math.ceil(math.prod(v.shape) / 4) for v in model.trainable_variables)] * 4
+    assert state.slot_bytes_per_replica() == expected
+    assert max(expected) / whole <= 0.27
+    assert state.bytes_per_replica()[0] - expected[0] == sum(
+        np.asarray(v.numpy()).nbytes for v, ref in zip(state.optimizers[0].variables, state.references) if ref is None)
+
+
+def test_custom_loop_equals_one_device():
+    """`strategy.run` with `optimizer.apply_gradients`: the gradients summed, the update in pieces."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(2))
+    model, reference = sharded_and_reference(strategy, OPTIMIZERS["adam-global-clipnorm"])
+    x, y = data()
+    global_batch = 6
+    dataset = strategy.experimental_distribute_dataset(
+        strategy.make_experimental_numpy_dataset((x, y)).batch(global_batch))
+
+    def replica_step(inputs, targets):
+        def loss_fn():
+            per_example = keras.ops.mean(keras.ops.square(model(inputs) - targets), axis=-1)
+            return ks.compute_average_loss(per_example)  # the actual global batch: 6, 6, then 2 rows
+
+        loss, grads = ks.value_and_grad(loss_fn, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @ks.function
+    def step(inputs, targets):
+        return strategy.run(replica_step, args=(inputs, targets))
+
+    for inputs, targets in dataset:
+        step(inputs, targets)
+    for start in range(0, ROWS, global_batch):
+        reference.train_on_batch(x[start:start + global_batch], y[start:start + global_batch])
+    assert_close(model.get_weights(), reference.get_weights())
+    assert_close(strategy.extended.optimizer_state(model.optimizer).whole_values(),
+                 [v.numpy() for v in reference.optimizer.variables])
+
+
+def trained_under(replicas, path):
+    """A model trained one epoch under `replicas` sharded replicas and saved to `path`; its reference."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(replicas))
+    model, reference = sharded_and_reference(strategy, OPTIMIZERS["adam-global-clipnorm"])
+    x, y = data()
+    kwargs = dict(batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, **kwargs)
+    reference.fit(x, y, **kwargs)
+    model.save(path)
+    return reference
+
+
+def test_saved_under_four_replicas_loads_under_two_and_under_none(tmp_path):
+    x, y = data()
+    path = str(tmp_path / "model.keras")
+    reference = trained_under(4, path)
+    kwargs = dict(batch_size=4, epochs=1, shuffle=False, verbose=0)
+    plain = keras.models.load_model(path)  # no strategy: the whole state, as the optimizer built whole
+    assert_close([v.numpy() for v in plain.optimizer.variables], [v.numpy() for v in reference.optimizer.variables])
+    with ks.experimental.ShardedDataParallelStrategy(devices(2)).scope():
+        resumed = keras.models.load_model(path)
+    for model in (plain, resumed, reference):
+        history = model.fit(x, y, **kwargs).history
+    assert_close(resumed.get_weights(), reference.get_weights())
+    assert_close(plain.get_weights(), reference.get_weights())
+    assert_close([history["loss"]], [resumed.history.history["loss"]])
+
+
+def test_weights_and_checkpoints_load_into_pieces(tmp_path):
+    """`load_weights` and `ks.experimental.Checkpoint` into a model whose optimizer has not updated
+    yet: the whole state goes straight into the pieces (never built whole)."""
+    x, y = data()
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(4))
+    model, reference = sharded_and_reference(strategy, OPTIMIZERS["adam-global-clipnorm"])
+    kwargs = dict(batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, **kwargs)
+    reference.fit(x, y, **kwargs)
+    weights = str(tmp_path / "model.weights.h5")
+    model.save_weights(weights)
+    checkpoint = ks.experimental.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "ckpt"))
+    assert os.path.exists(checkpoint + ".npz")
+    reference.fit(x, y, **kwargs)  # the second epoch, which each restored model trains
+    for load in ("weights", "checkpoint"):
+        two = ks.experimental.ShardedDataParallelStrategy(devices(2))
+        with two.scope():
+            restored = build(OPTIMIZERS["adam-global-clipnorm"])
+            if load == "weights":
+                restored.load_weights(weights)
+            else:
+                ks.experimental.Checkpoint(model=restored, optimizer=restored.optimizer).read(checkpoint)
+        assert not restored.optimizer.built
+        assert int(restored.optimizer.iterations.numpy()) == 4
+        restored.fit(x, y, **kwargs)
+        assert not restored.optimizer.built
+        assert_close(two.extended.optimizer_state(restored.optimizer).whole_values(),
+                     [v.numpy() for v in reference.optimizer.variables])
+        assert_close(restored.get_weights(), reference.get_weights())
+
+
+def test_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        ks.experimental.ShardedDataParallelStrategy(stage=0)
+    with pytest.raises(ValueError, match="stage 2 .*not available yet"):
+        ks.experimental.ShardedDataParallelStrategy(stage=2)
+    x, y = data()
+    for optimizer, match in ((lambda: keras.optimizers.Adafactor(), "Adafactor reads whole rows"),
+                             (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "mixed_bfloat16"),
+                             (lambda: keras.optimizers.Adam(use_ema=True), "use_ema=False")):
+        strategy = ks.experimental.ShardedDataParallelStrategy(devices(2))
+        with strategy.scope():
+            model = build(optimizer)
+        with pytest.raises(ValueError, match=match):
+            model.fit(x, y, batch_size=4, verbose=0)
+
+
+def test_one_device_is_plain_keras():
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(1))
+    model, reference = sharded_and_reference(strategy, OPTIMIZERS["adam-global-clipnorm"])
+    x, y = data()
+    kwargs = dict(batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, **kwargs)
+    reference.fit(x, y, **kwargs)
+    assert_close(model.get_weights(), reference.get_weights())
+    assert strategy.extended.optimizer_state(model.optimizer) is None and model.optimizer.built
