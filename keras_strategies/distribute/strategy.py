@@ -222,10 +222,14 @@ class StrategyExtended(CrossReplicaHelpers, HostReductions, OneWorker):
     # Whether `fit` may compile the optimizer update into one program with the replicas' step;
     # a strategy that updates each device's shard of the state on that device says no.
     _update_in_whole_step = True
+    # Whether `apply_gradients` inside `run` hands each replica's own gradients to `_apply_update`
+    # (which sums them), instead of summing them across the replicas first.
+    _sums_gradients_in_update = False
 
     def _apply_update(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         """The one update of `variables` with the gradients summed over every replica, on the host
-        device: the optimizer's own (`fit`'s update and `apply_gradients` inside `run` both come here)."""
+        device: the optimizer's own (`fit`'s update and `apply_gradients` inside `run` both come here).
+        `grads` is what `_sum_gradients` made, or per-replica values (`_sums_gradients_in_update`)."""
         engine.optimizer.apply_gradients(optimizer, grads, variables)
 
     # --- Keras integration --------------------------------------------------

@@ -56,7 +56,7 @@ def _wrap_apply(original: Callable) -> Callable:
                 "across replicas and applied once."
             )
 
-        def update(current):
+        def update(current, summed=None):
             if not self.built and trainable_variables is not None:
                 # Built at the first update, which may be traced inside a compiled step: its
                 # variables are created outside the trace, as tf-keras creates its slots.
@@ -65,12 +65,17 @@ def _wrap_apply(original: Callable) -> Callable:
                 self.built = True
             with direct_update():
                 if trainable_variables is None:
-                    return original(self, grads, trainable_variables)
-                return current.extended._apply_update(self, grads, list(trainable_variables))
+                    return original(self, grads if summed is None else summed, trainable_variables)
+                return current.extended._apply_update(self, grads if summed is None else summed,
+                                                      list(trainable_variables))
 
         if strategy.num_replicas_in_sync == 1:
             # The engine's update too: on JAX a stateful `LossScaleOptimizer` cannot run eagerly.
             return update(strategy)
+        if strategy.extended._sums_gradients_in_update and trainable_variables is not None \
+                and not getattr(_state, "skip_aggregation", False):
+            # Each replica's own (weighted) gradients: the strategy sums them in its update.
+            return replica_context.merge_call(update, args=(_weighted(replica_context, list(grads)),))
         grads = _aggregate(replica_context, grads)
         return replica_context.merge_call(update)
 
@@ -83,13 +88,18 @@ def _aggregate(replica_context: Any, grads: Any) -> list:
     if getattr(_state, "skip_aggregation", False):
         return grads
     present = [i for i, g in enumerate(grads) if g is not None]
-    weight = replica_context._gradient_weight
-    local = [grads[i] if weight is None else ops.multiply(grads[i], weight) for i in present]  # keeps IndexedSlices
+    local = [g for g in _weighted(replica_context, grads) if g is not None]
     # Not `replica_context.all_reduce`: nothing differentiates this sum, so it needs no gradient rule.
     summed = replica_context.strategy.extended._all_reduce(replica_context, ReduceOp.SUM, local)
     for i, g in zip(present, summed):
         grads[i] = g
     return grads
+
+
+def _weighted(replica_context: Any, grads: list) -> list:
+    """A replica's gradients, each weighted by its share of the batch when known (keeps IndexedSlices)."""
+    weight = replica_context._gradient_weight
+    return [g if g is None or weight is None else ops.multiply(g, weight) for g in grads]
 
 
 def _wrap_stateless_apply(original: Callable) -> Callable:

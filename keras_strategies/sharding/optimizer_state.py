@@ -30,6 +30,7 @@ from keras_strategies.backend import engine
 from keras_strategies.backend.common import replica_variables
 from keras_strategies.distribute import context
 from keras_strategies.sharding import flat_shards
+from keras_strategies.sharding.gradient_pieces import GradientPieces, unscale_and_clip
 
 _STATE = "_ks_sharded_state"
 _PENDING = "_ks_pending_whole_state"  # whole values loaded before the pieces existed
@@ -75,6 +76,11 @@ def _outside_strategies() -> Iterator[None]:
         yield
 
 
+def _nbytes(value: Any) -> int:
+    """The bytes an array (or variable) stores, from its shape and dtype (also inside a trace)."""
+    return math.prod(value.shape) * np.dtype(keras.backend.standardize_dtype(value.dtype)).itemsize
+
+
 def _numpy(value: Any) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(getattr(value, "value", value)))
 
@@ -88,6 +94,9 @@ class ShardedOptimizerState:
         self.pieces: list = []  # pieces[i][j]: device i's piece of variable j
         self.optimizers: list = []  # device i's copy of the optimizer, built on pieces[i]
         self.references: list = []  # for each variable of a copy: the variable it mirrors (an index) or None
+        # The bytes of summed gradients each device held in the last update: whole after an all-reduce
+        # (stage 1), one piece after a reduce-scatter (stage 2).
+        self.gradient_bytes: list = [0] * len(self.devices)
         with _outside_strategies():
             self._make_pieces()
 
@@ -146,16 +155,34 @@ class ShardedOptimizerState:
     # -- updates ---------------------------------------------------------------------------
 
     def apply(self, grads: Sequence[Any]) -> None:
-        """One update of the variables with the whole summed `grads`, each device updating its pieces."""
+        """One update of the variables with the whole summed `grads` (on the host device), unscaled
+        and clipped there by the optimizer's own code, then cut into each device's pieces."""
         optimizer, host, n = self.optimizer, self.host, len(self.devices)
         present = [j for j, g in enumerate(grads) if g is not None]
         with engine.devices.device_scope(host):
             whole = [grads[j] for j in present]
             if optimizer.loss_scale_factor is not None:
                 whole = [g / optimizer.loss_scale_factor for g in whole]
-            whole = optimizer._clip_gradients(whole)
-            grad_pieces = [flat_shards.split(keras.ops.convert_to_tensor(g), n) for g in whole]
-            variable_pieces = [flat_shards.split(self.variables[j].value, n) for j in present]
+            whole = dict(zip(present, optimizer._clip_gradients(whole)))
+            cut = {j: flat_shards.split(keras.ops.convert_to_tensor(g), n) for j, g in whole.items()}
+        pieces = [[engine.devices.copy_to(cut[j][i], device) if j in cut else None for j in range(len(grads))]
+                  for i, device in enumerate(self.devices)]
+        # The replicas' all-reduce left the whole sum on every device.
+        self.gradient_bytes = [sum(_nbytes(g) for g in whole.values())] * n
+        self._update(GradientPieces(pieces, self.devices))
+
+    def apply_pieces(self, gradients: GradientPieces) -> None:
+        """One update with summed gradients already in pieces on their devices (reduce-scattered),
+        unscaled and clipped in pieces (`gradient_pieces.unscale_and_clip`)."""
+        self.gradient_bytes = [sum(_nbytes(g) for g in row if g is not None) for row in gradients.pieces]
+        self._update(unscale_and_clip(self.optimizer, gradients, self.host))
+
+    def _update(self, gradients: GradientPieces) -> None:
+        """Each device updates its pieces of the variables; the pieces are gathered into the variables."""
+        optimizer, host, n = self.optimizer, self.host, len(self.devices)
+        present = gradients.present
+        with engine.devices.device_scope(host):
+            variable_pieces = {j: flat_shards.split(self.variables[j].value, n) for j in present}
             iterations = optimizer.iterations.value
             learning_rate = None if callable(optimizer._learning_rate) else optimizer._learning_rate
         for i, (device, copy, pieces) in enumerate(zip(self.devices, self.optimizers, self.pieces)):
@@ -164,10 +191,10 @@ class ShardedOptimizerState:
                 if learning_rate is not None:
                     copy._learning_rate.assign(engine.devices.copy_to(getattr(learning_rate, "value", learning_rate),
                                                                       device))
-                for k, j in enumerate(present):
-                    pieces[j].assign(engine.devices.copy_to(variable_pieces[k][i], device))
+                for j in present:
+                    pieces[j].assign(engine.devices.copy_to(variable_pieces[j][i], device))
                 engine.optimizer.apply_gradients(
-                    copy, [engine.devices.copy_to(g[i], device) for g in grad_pieces], [pieces[j] for j in present])
+                    copy, [gradients.pieces[i][j] for j in present], [pieces[j] for j in present])
         with engine.devices.device_scope(host):
             for j in present:
                 variable = self.variables[j]
@@ -181,11 +208,11 @@ class ShardedOptimizerState:
 
     def bytes_per_replica(self) -> list:
         """The bytes of optimizer state each device holds (its copy's variables, as stored)."""
-        return [sum(_numpy(v).nbytes for v in copy.variables) for copy in self.optimizers]
+        return [sum(_nbytes(v) for v in copy.variables) for copy in self.optimizers]
 
     def slot_bytes_per_replica(self) -> list:
         """The bytes of the slots (the state that grows with the model) each device holds."""
-        return [sum(_numpy(v).nbytes for v, ref in zip(copy.variables, self.references) if ref is not None)
+        return [sum(_nbytes(v) for v, ref in zip(copy.variables, self.references) if ref is not None)
                 for copy in self.optimizers]
 
     # -- whole values, for checkpoints -----------------------------------------------------

@@ -8,7 +8,7 @@ from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.backend.common.replica_variables import ReplicaWrites, outside_replica_scope
 from keras_strategies.distribute import context, traced_function
 from keras_strategies.backend.common import keras_state
-from keras_strategies.distribute.values import map_structure, regroup, select_replica
+from keras_strategies.distribute.values import PerReplica, map_structure, regroup, select_replica
 from keras_strategies.backend import engine
 from keras_strategies.distribute.cross_device_ops import CrossDeviceOps, select_cross_device_ops
 from keras_strategies.distribute.devices import default_compute_devices, resolve_devices
@@ -31,6 +31,12 @@ class MirroredExtended(StrategyExtended):
         # With the default choice, Keras steps sum gradients and loss inside the replica program
         # with the backend's own all-reduce; an explicit choice sums them after it.
         self._default_cross_device_ops = cross_device_ops is None
+
+    def _sum_gradients(self, per_replica: list, destination: str) -> Any:
+        """The replicas' gradients (one list per replica) summed after the replica program onto
+        `destination` with the cross-device ops: the gradients `_apply_update` takes."""
+        pairs = [(PerReplica(values), destination) for values in zip(*per_replica)]
+        return self._cross_device_ops.batch_reduce(ReduceOp.SUM, pairs)
 
     def _custom_steps_untraceable(self) -> Optional[str]:
         if not self._replicas_keep_copies:

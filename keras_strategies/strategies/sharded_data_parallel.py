@@ -12,13 +12,19 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from keras import ops
+
+from keras_strategies.backend import engine
 from keras_strategies.distribute.devices import default_compute_devices, resolve_devices
+from keras_strategies.distribute.reduce_op import ReduceOp
+from keras_strategies.distribute.values import PerReplica
 from keras_strategies.distribute.strategy import Strategy
-from keras_strategies.sharding import optimizer_state
+from keras_strategies.sharding import flat_shards, optimizer_state
+from keras_strategies.sharding.gradient_pieces import GradientPieces
 from keras_strategies.strategies.central_storage import refuse_a_cluster
 from keras_strategies.strategies.mirrored import MirroredExtended
 
-STAGES = (1,)  # the ZeRO stages this strategy implements
+STAGES = (1, 2)  # the ZeRO stages this strategy implements
 
 
 class ShardedDataParallelExtended(MirroredExtended):
@@ -30,10 +36,14 @@ class ShardedDataParallelExtended(MirroredExtended):
     def __init__(self, container, devices: Sequence[str], stage: int):
         super().__init__(container, devices, cross_device_ops=None)
         self._stage = stage
+        if stage >= 2:
+            # The replicas' gradients are reduce-scattered after the replica program, not summed in it.
+            self._default_cross_device_ops = False
+            self._sums_gradients_in_update = True
 
     @property
     def stage(self) -> int:
-        """The ZeRO stage: 1, the optimizer state is sharded."""
+        """The ZeRO stage: 1, the optimizer state is sharded; 2, the summed gradients too."""
         return self._stage
 
     def _custom_steps_untraceable(self) -> Optional[str]:
@@ -41,12 +51,40 @@ class ShardedDataParallelExtended(MirroredExtended):
             return "ShardedDataParallelStrategy updates each device's piece of the optimizer state on that device"
         return super()._custom_steps_untraceable()
 
-    def _apply_update(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+    def _sum_gradients(self, per_replica: list, destination: str) -> Any:
+        if self._stage < 2 or len(self._devices) == 1:
+            return super()._sum_gradients(per_replica, destination)
+        return self._reduce_scatter(per_replica)
+
+    def _reduce_scatter(self, per_replica: list) -> GradientPieces:
+        """Piece i of every replica's gradients summed onto device i, with the strategy's cross-device ops."""
+        n = len(self._devices)
+        cut = []
+        for device, grads in zip(self._devices, per_replica):
+            with engine.devices.device_scope(device):
+                cut.append([None if g is None else flat_shards.split(ops.convert_to_tensor(g), n) for g in grads])
+        present = [j for j, g in enumerate(per_replica[0]) if g is not None]
+        pairs = [(PerReplica([cut[r][j][i] for r in range(n)]), self._devices[i]) for i in range(n) for j in present]
+        summed = iter(self._cross_device_ops.batch_reduce(ReduceOp.SUM, pairs))
+        pieces = [[None] * len(per_replica[0]) for _ in range(n)]
+        for i in range(n):
+            for j in present:
+                pieces[i][j] = next(summed)
+        return GradientPieces(pieces, self._devices)
+
+    def _apply_update(self, optimizer: Any, grads: Any, variables: Sequence[Any]) -> None:
         if len(self._devices) == 1:
             return super()._apply_update(optimizer, grads, variables)
         state = optimizer_state.state_for(optimizer, variables, self._devices, self._variable_device,
                                           type(self._container).__name__)
-        state.apply(grads)
+        if not isinstance(grads, GradientPieces) and any(isinstance(g, PerReplica) for g in grads):
+            # `apply_gradients` inside `run` at stage 2: each replica's own gradients, reduce-scattered here.
+            grads = self._reduce_scatter([[g.values[r] if isinstance(g, PerReplica) else g for g in grads]
+                                          for r in range(len(self._devices))])
+        if isinstance(grads, GradientPieces):
+            state.apply_pieces(grads)
+        else:
+            state.apply(grads)
 
     def optimizer_state(self, optimizer: Any) -> Optional[optimizer_state.ShardedOptimizerState]:
         """`optimizer`'s state split over the devices (its pieces and their bytes), once it has updated."""
@@ -89,9 +127,9 @@ class ShardedDataParallelStrategy(Strategy):
             raise ValueError(f"stage must be 1, 2 or 3 (the ZeRO stages), got {stage!r}.")
         if stage not in STAGES:
             raise ValueError(
-                f"ShardedDataParallelStrategy implements stage 1 (the optimizer state sharded); stage {stage} "
-                "(gradients" + (" and parameters" if stage == 3 else "") + " sharded too) is not available yet. "
-                "Use stage=1.")
+                f"ShardedDataParallelStrategy implements stages 1 and 2 (the optimizer state, and the summed "
+                f"gradients, sharded); stage {stage} (the parameters sharded too) is not available yet. "
+                "Use stage=2.")
         refuse_a_cluster("ShardedDataParallelStrategy", "ks.MultiWorkerMirroredStrategy")
         resolved = default_compute_devices() if devices is None else resolve_devices(devices)
         super().__init__(ShardedDataParallelExtended(self, resolved, stage))

@@ -37,6 +37,7 @@ class GlobalUpdate:
         self.host = strategy.extended._variable_device  # where variables live and updates run
         self.cross_device_ops = strategy.extended._cross_device_ops
         self._apply_update = strategy.extended._apply_update
+        self._sum_gradients = strategy.extended._sum_gradients
         self._compiled_metrics = None
 
     def on_host(self, value: Any) -> Any:
@@ -47,6 +48,10 @@ class GlobalUpdate:
         """Reduces lists of per-replica tensors to the primary device with the cross-device ops."""
         pairs = [(PerReplica(values), self.host) for values in zip(*per_replica)]
         return self.cross_device_ops.batch_reduce(reduce_op, pairs)
+
+    def sum_gradients(self, per_replica: list) -> Any:
+        """The replicas' gradients summed after the replica program, as the strategy's update takes them."""
+        return self._sum_gradients(per_replica, self.host)
 
     def sums_of_first_replica(self, outputs: list) -> tuple:
         """`(grads, loss)` summed in the replica program: every replica holds them, the first's are taken."""

@@ -297,7 +297,7 @@ class ReplicaStep:
             if self.reduce_in_program:
                 grads, loss = self.host_update.sums_of_first_replica(outputs)
             else:
-                grads = self.host_update.reduce(ReduceOp.SUM, [grads for grads, _ in outputs])
+                grads = self.host_update.sum_gradients([grads for grads, _ in outputs])
                 (loss,) = self.host_update.reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
             non_trainable = [outputs[i][1][2] for i in shards.active]
             predictions = [aux[1] for _, aux in outputs]

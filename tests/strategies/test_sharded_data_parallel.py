@@ -59,11 +59,12 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("replicas, batch_size", [(2, 4), (4, 6)])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_fit_evaluate_predict_equal_one_device(replicas, batch_size, optimizer):
+def test_fit_evaluate_predict_equal_one_device(replicas, batch_size, optimizer, stage):
     """Uneven shards (6 rows on 4 replicas), a partial last batch (14 rows), clipping after the sum."""
-    strategy = ks.experimental.ShardedDataParallelStrategy(devices(replicas))
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(replicas), stage=stage)
     model, reference = sharded_and_reference(strategy, OPTIMIZERS[optimizer])
     x, y = data()
     kwargs = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
@@ -80,10 +81,12 @@ def test_fit_evaluate_predict_equal_one_device(replicas, batch_size, optimizer):
                  [reference.predict(x, batch_size=batch_size, verbose=0)])
 
 
-def test_each_device_holds_its_piece_of_the_optimizer_state():
+@pytest.mark.parametrize("stage", [1, 2])
+def test_each_device_holds_its_piece_of_the_optimizer_state(stage):
     """The pieces' shapes, devices and bytes: ceil(size / 4) elements of each slot per device; the
-    optimizer itself is never built whole."""
-    strategy = ks.experimental.ShardedDataParallelStrategy(devices(4))
+    optimizer itself is never built whole; at stage 2 each device holds one piece of the summed
+    gradients, at stage 1 the whole sum."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(4), stage=stage)
     with strategy.scope():
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(130), keras.layers.Dense(1)])
         model.compile(loss="mse", optimizer="adam")
@@ -100,13 +103,17 @@ def test_each_device_holds_its_piece_of_the_optimizer_state():
     expected = [2 * 4 * sum(math.ceil(math.prod(v.shape) / 4) for v in model.trainable_variables)] * 4
     assert state.slot_bytes_per_replica() == expected
     assert max(expected) / whole <= 0.27
+    whole_gradients, piece_gradients = whole // 2, expected[0] // 2
+    assert state.gradient_bytes == ([piece_gradients] * 4 if stage == 2 else [whole_gradients] * 4)
     assert state.bytes_per_replica()[0] - expected[0] == sum(
         np.asarray(v.numpy()).nbytes for v, ref in zip(state.optimizers[0].variables, state.references) if ref is None)
 
 
-def test_custom_loop_equals_one_device():
-    """`strategy.run` with `optimizer.apply_gradients`: the gradients summed, the update in pieces."""
-    strategy = ks.experimental.ShardedDataParallelStrategy(devices(2))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_custom_loop_equals_one_device(stage):
+    """`strategy.run` with `optimizer.apply_gradients`: the gradients summed (at stage 2
+    reduce-scattered), the update in pieces."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage)
     model, reference = sharded_and_reference(strategy, OPTIMIZERS["adam-global-clipnorm"])
     x, y = data()
     global_batch = 6
@@ -197,8 +204,8 @@ def test_weights_and_checkpoints_load_into_pieces(tmp_path):
 def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         ks.experimental.ShardedDataParallelStrategy(stage=0)
-    with pytest.raises(ValueError, match="stage 2 .*not available yet"):
-        ks.experimental.ShardedDataParallelStrategy(stage=2)
+    with pytest.raises(ValueError, match="stage 3 .*not available yet"):
+        ks.experimental.ShardedDataParallelStrategy(stage=3)
     x, y = data()
     for optimizer, match in ((lambda: keras.optimizers.Adafactor(), "Adafactor reads whole rows"),
                              (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "mixed_bfloat16"),
