@@ -226,6 +226,11 @@ class StrategyExtended(CrossReplicaHelpers, HostReductions, OneWorker):
     # (which sums them), instead of summing them across the replicas first.
     _sums_gradients_in_update = False
 
+    def _prepare_update(self, optimizer: Any, variables: Sequence[Any]) -> None:
+        """Makes the optimizer's state before an update compiled into a step (which creates no variables)."""
+        if not optimizer.built:
+            optimizer.build(variables)
+
     def _apply_update(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         """The one update of `variables` with the gradients summed over every replica, on the host
         device: the optimizer's own (`fit`'s update and `apply_gradients` inside `run` both come here).

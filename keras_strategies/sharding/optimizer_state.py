@@ -24,13 +24,14 @@ from typing import Any, Iterator, Optional, Sequence
 
 import keras
 import numpy as np
+from keras import ops
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
 from keras_strategies.backend import engine
 from keras_strategies.backend.common import replica_variables
 from keras_strategies.distribute import context
 from keras_strategies.sharding import flat_shards
-from keras_strategies.sharding.gradient_pieces import GradientPieces, unscale_and_clip
+from keras_strategies.sharding import gradient_pieces
 
 _STATE = "_ks_sharded_state"
 _PENDING = "_ks_pending_whole_state"  # whole values loaded before the pieces existed
@@ -78,7 +79,11 @@ def _outside_strategies() -> Iterator[None]:
 
 def _nbytes(value: Any) -> int:
     """The bytes an array (or variable) stores, from its shape and dtype (also inside a trace)."""
-    return math.prod(value.shape) * np.dtype(keras.backend.standardize_dtype(value.dtype)).itemsize
+    return math.prod(value.shape) * _itemsize(value)
+
+
+def _itemsize(value: Any) -> int:
+    return np.dtype(keras.backend.standardize_dtype(value.dtype)).itemsize
 
 
 def _numpy(value: Any) -> np.ndarray:
@@ -97,6 +102,8 @@ class ShardedOptimizerState:
         # The bytes of summed gradients each device held in the last update: whole after an all-reduce
         # (stage 1), one piece after a reduce-scatter (stage 2).
         self.gradient_bytes: list = [0] * len(self.devices)
+        self._parts: dict = {}  # the compiled parts of an update (see "updates" below)
+        self._programs: dict = {}  # whole updates, as one program where the engine compiles those
         with _outside_strategies():
             self._make_pieces()
 
@@ -153,56 +160,162 @@ class ShardedOptimizerState:
         return [made_from.get(id(v)) for v in copy.variables]
 
     # -- updates ---------------------------------------------------------------------------
+    #
+    # An update is three kinds of compiled programs: one on the host device that cuts the whole
+    # variables (and, at stage 1, the clipped summed gradients) into pieces, one per device that
+    # updates its pieces with its copy of the optimizer, and one on the host that joins the pieces
+    # into the variables; between them, one batched transfer each way. Where one compiled program
+    # may place its operations on several devices (`engine.capabilities.programs_span_devices`),
+    # the whole update is that one program.
 
     def apply(self, grads: Sequence[Any]) -> None:
         """One update of the variables with the whole summed `grads` (on the host device), unscaled
         and clipped there by the optimizer's own code, then cut into each device's pieces."""
-        optimizer, host, n = self.optimizer, self.host, len(self.devices)
-        present = [j for j, g in enumerate(grads) if g is not None]
-        with engine.devices.device_scope(host):
-            whole = [grads[j] for j in present]
-            if optimizer.loss_scale_factor is not None:
-                whole = [g / optimizer.loss_scale_factor for g in whole]
-            whole = dict(zip(present, optimizer._clip_gradients(whole)))
-            cut = {j: flat_shards.split(keras.ops.convert_to_tensor(g), n) for j, g in whole.items()}
-        pieces = [[engine.devices.copy_to(cut[j][i], device) if j in cut else None for j in range(len(grads))]
-                  for i, device in enumerate(self.devices)]
+        present = tuple(j for j, g in enumerate(grads) if g is not None)
         # The replicas' all-reduce left the whole sum on every device.
-        self.gradient_bytes = [sum(_nbytes(g) for g in whole.values())] * n
-        self._update(GradientPieces(pieces, self.devices))
+        self.gradient_bytes = [sum(_nbytes(grads[j]) for j in present)] * len(self.devices)
+        self._run(("whole", present), self._apply_whole, [grads[j] for j in present], present)
 
-    def apply_pieces(self, gradients: GradientPieces) -> None:
-        """One update with summed gradients already in pieces on their devices (reduce-scattered),
-        unscaled and clipped in pieces (`gradient_pieces.unscale_and_clip`)."""
-        self.gradient_bytes = [sum(_nbytes(g) for g in row if g is not None) for row in gradients.pieces]
-        self._update(unscale_and_clip(self.optimizer, gradients, self.host))
+    def apply_per_replica(self, per_replica: list) -> None:
+        """One update with every replica's own gradients (`per_replica[r][j]`, on replica r's device),
+        reduce-scattered (`gradient_pieces`): each device sums its piece of every replica's
+        gradients, unscaled and clipped in pieces."""
+        present = tuple(j for j, g in enumerate(per_replica[0]) if g is not None)
+        n = len(self.devices)
+        self.gradient_bytes = [sum(flat_shards.piece_length(per_replica[0][j].shape, n) * _itemsize(per_replica[0][j])
+                                   for j in present)] * n
+        self._run(("replicas", present), self._apply_replicas, [[row[j] for j in present] for row in per_replica],
+                  present)
 
-    def _update(self, gradients: GradientPieces) -> None:
-        """Each device updates its pieces of the variables; the pieces are gathered into the variables."""
-        optimizer, host, n = self.optimizer, self.host, len(self.devices)
-        present = gradients.present
-        with engine.devices.device_scope(host):
-            variable_pieces = {j: flat_shards.split(self.variables[j].value, n) for j in present}
-            iterations = optimizer.iterations.value
-            learning_rate = None if callable(optimizer._learning_rate) else optimizer._learning_rate
-        for i, (device, copy, pieces) in enumerate(zip(self.devices, self.optimizers, self.pieces)):
+    def _run(self, key: tuple, update: Any, grads: Any, present: tuple) -> None:
+        if not engine.capabilities.programs_span_devices:
+            return update(grads, present)
+        program = self._programs.get(key)
+        if program is None:
+            state = [*self.variables, self.optimizer.iterations]
+            state += [v for copy, pieces in zip(self.optimizers, self.pieces) for v in [*pieces, *copy.variables]]
+            program = self._programs[key] = engine.compiler.compile_stateful(
+                lambda g: update(g, present), state)
+        program(grads)
+
+    def _apply_whole(self, grads: list, present: tuple) -> None:
+        cut_variables, cut_grads = self._part("cut", present, self._cut)([self.variables[j].value for j in present],
+                                                                          grads)
+        self._update(cut_variables, [self._on(i, cut_grads[i]) for i in range(len(self.devices))], present)
+
+    def _apply_replicas(self, grads: list, present: tuple) -> None:
+        n, k, host = len(self.devices), len(present), self.host
+        cut = []  # cut[r][i]: replica r's pieces for device i, one per variable
+        for r, device in enumerate(self.devices):
+            split = self._part(f"split-{r}", present, lambda values: [
+                [piece[i] for piece in (flat_shards.split(ops.convert_to_tensor(g), n) for g in values)]
+                for i in range(n)])
             with engine.devices.device_scope(device):
-                copy.iterations.assign(engine.devices.copy_to(iterations, device))
-                if learning_rate is not None:
-                    copy._learning_rate.assign(engine.devices.copy_to(getattr(learning_rate, "value", learning_rate),
-                                                                      device))
-                for j in present:
-                    pieces[j].assign(engine.devices.copy_to(variable_pieces[j][i], device))
-                engine.optimizer.apply_gradients(
-                    copy, [gradients.pieces[i][j] for j in present], [pieces[j] for j in present])
+                cut.append(split(grads[r]))
+        squares_needed = gradient_pieces.clipping(self.optimizer) in ("norm", "global")
+        pieces, squares = [], []
+        for i, device in enumerate(self.devices):
+            incoming = self._on(i, [cut[r][i][position] for r in range(n) for position in range(k)])
+            reduce = self._part(f"reduce-{i}", present, lambda values: self._reduce(values, n, k, squares_needed))
+            with engine.devices.device_scope(device):
+                summed_i, squares_i = reduce(incoming)
+            pieces.append(summed_i)
+            squares.append(squares_i)
+        factors = None
+        if squares_needed:
+            on_host = engine.devices.place_each([s for row in squares for s in row], [host] * (n * k))
+            combine = self._part("clip-factors", present, lambda values: gradient_pieces.clip_factors(
+                self.optimizer, [gradient_pieces.summed([values[i * k + position] for i in range(n)])
+                                 for position in range(k)]))
+            with engine.devices.device_scope(host):
+                factors = combine(on_host)
+        cut_variables, _ = self._part("cut", present, self._cut)([self.variables[j].value for j in present], None)
+        self._update(cut_variables, pieces, present, factors, clip=True)
+
+    def _reduce(self, incoming: list, n: int, k: int, squares_needed: bool) -> tuple:
+        """On device i: its piece of each variable's summed gradient (unscaled), and the sums of their
+        squared elements where clipping needs norms."""
+        scale = self.optimizer.loss_scale_factor
+        pieces = []
+        for position in range(k):
+            total = gradient_pieces.summed([incoming[r * k + position] for r in range(n)])
+            pieces.append(total if scale is None else total / scale)
+        squares = [ops.sum(ops.square(piece)) for piece in pieces] if squares_needed else []
+        return pieces, squares
+
+    def _part(self, name: str, present: tuple, fn: Any, state: Sequence[Any] = ()) -> Any:
+        """`fn` compiled (once per `name`, variables with gradients and device) as one program."""
+        key = (name, present)
+        if key not in self._parts:
+            self._parts[key] = engine.compiler.compile_stateful(fn, list(state))
+        return self._parts[key]
+
+    def _cut(self, values: list, grads: Optional[list]) -> tuple:
+        """On the host device: the variables (and the whole gradients, unscaled and clipped by the
+        optimizer) cut into pieces: `[piece i of each] for each device i`."""
+        n, optimizer = len(self.devices), self.optimizer
+        with engine.devices.device_scope(self.host):
+            cut_values = [flat_shards.split(v, n) for v in values]
+            if grads is None:
+                return [[cut[i] for cut in cut_values] for i in range(n)], None
+            if optimizer.loss_scale_factor is not None:
+                grads = [g / optimizer.loss_scale_factor for g in grads]
+            cut_grads = [flat_shards.split(keras.ops.convert_to_tensor(g), n) for g in optimizer._clip_gradients(grads)]
+            return ([[cut[i] for cut in cut_values] for i in range(n)],
+                    [[cut[i] for cut in cut_grads] for i in range(n)])
+
+    def _on(self, i: int, values: list) -> list:
+        return engine.devices.place_each(list(values), [self.devices[i]] * len(values))
+
+    def _update(self, cut_variables: list, grads: list, present: tuple, factors: Optional[list] = None,
+                clip: bool = False) -> None:
+        """Each device updates its pieces (`grads[i]`: its gradient pieces, there, clipped first with
+        `factors` when `clip`); the pieces are gathered into the variables."""
+        optimizer, host = self.optimizer, self.host
+        scalars = [optimizer.iterations.value]
+        if not callable(optimizer._learning_rate):
+            scalars.append(optimizer._learning_rate.value)
+        factors = list(factors or [])
+        for i, (device, copy, pieces) in enumerate(zip(self.devices, self.optimizers, self.pieces)):
+            on_device = self._on(i, [*cut_variables[i], *scalars, *factors])
+            own = [pieces[j] for j in present]
+            step = self._part(f"update-{i}-{clip}", present, self._device_update(copy, own, len(scalars), clip),
+                              [*own, *copy.variables])
+            with engine.devices.device_scope(device):
+                step(on_device[:len(own)], grads[i], on_device[len(own):])
+        gathered = engine.devices.place_each([pieces[j].value for pieces in self.pieces for j in present],
+                                             [host] * (len(present) * len(self.pieces)))
+        join = self._part("join", present, lambda values: self._join(values, present),
+                          [*(self.variables[j] for j in present), optimizer.iterations])
         with engine.devices.device_scope(host):
-            for j in present:
-                variable = self.variables[j]
-                variable.assign(flat_shards.join(
-                    [engine.devices.copy_to(pieces[j].value, host) for pieces in self.pieces], variable.shape))
-                if variable.constraint is not None:
-                    variable.assign(variable.constraint(variable))
-            optimizer.iterations.assign_add(1)
+            join(gathered)
+
+    def _device_update(self, copy: Any, own: list, num_scalars: int, clip: bool) -> Any:
+        optimizer = self.optimizer
+
+        def update(variable_pieces: list, grads: list, scalars: list) -> None:
+            for piece, value in zip(own, variable_pieces):
+                piece.assign(value)
+            copy.iterations.assign(scalars[0])
+            if num_scalars > 1:
+                copy._learning_rate.assign(scalars[1])
+            if clip:
+                factors = scalars[num_scalars:]
+                grads = [gradient_pieces.clip_piece(optimizer, g, k, factors) for k, g in enumerate(grads)]
+            copy.apply(grads, own)
+
+        return update
+
+    def _join(self, gathered: list, present: tuple) -> None:
+        """On the host device: the variables assigned their joined pieces (then their constraints)."""
+        k = len(present)
+        for position, j in enumerate(present):
+            variable = self.variables[j]
+            variable.assign(flat_shards.join([gathered[i * k + position] for i in range(len(self.pieces))],
+                                             variable.shape))
+            if variable.constraint is not None:
+                variable.assign(variable.constraint(variable))
+        self.optimizer.iterations.assign_add(1)
 
     # -- what each device holds ------------------------------------------------------------
 

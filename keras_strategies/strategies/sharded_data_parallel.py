@@ -12,15 +12,12 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from keras import ops
-
 from keras_strategies.backend import engine
 from keras_strategies.distribute.devices import default_compute_devices, resolve_devices
-from keras_strategies.distribute.reduce_op import ReduceOp
 from keras_strategies.distribute.values import PerReplica
 from keras_strategies.distribute.strategy import Strategy
-from keras_strategies.sharding import flat_shards, optimizer_state
-from keras_strategies.sharding.gradient_pieces import GradientPieces
+from keras_strategies.sharding import optimizer_state
+from keras_strategies.sharding.gradient_pieces import ReplicaGradients
 from keras_strategies.strategies.central_storage import refuse_a_cluster
 from keras_strategies.strategies.mirrored import MirroredExtended
 
@@ -30,7 +27,6 @@ STAGES = (1, 2)  # the ZeRO stages this strategy implements
 class ShardedDataParallelExtended(MirroredExtended):
     """Mirrored's replica steps; the update of each variable's pieces on the devices holding their state."""
 
-    _update_in_whole_step = False
     _shards_optimizer_state = True
 
     def __init__(self, container, devices: Sequence[str], stage: int):
@@ -40,6 +36,18 @@ class ShardedDataParallelExtended(MirroredExtended):
             # The replicas' gradients are reduce-scattered after the replica program, not summed in it.
             self._default_cross_device_ops = False
             self._sums_gradients_in_update = True
+
+    @property
+    def _update_in_whole_step(self) -> bool:
+        # The update touches every device: inside a step's one program only where a program may
+        # place operations on several devices (a JAX step program runs on the replicas' mesh).
+        return engine.capabilities.programs_span_devices
+
+    def _prepare_update(self, optimizer: Any, variables: Sequence[Any]) -> None:
+        if len(self._devices) == 1:
+            return super()._prepare_update(optimizer, variables)
+        optimizer_state.state_for(optimizer, variables, self._devices, self._variable_device,
+                                  type(self._container).__name__)
 
     @property
     def stage(self) -> int:
@@ -54,35 +62,19 @@ class ShardedDataParallelExtended(MirroredExtended):
     def _sum_gradients(self, per_replica: list, destination: str) -> Any:
         if self._stage < 2 or len(self._devices) == 1:
             return super()._sum_gradients(per_replica, destination)
-        return self._reduce_scatter(per_replica)
-
-    def _reduce_scatter(self, per_replica: list) -> GradientPieces:
-        """Piece i of every replica's gradients summed onto device i, with the strategy's cross-device ops."""
-        n = len(self._devices)
-        cut = []
-        for device, grads in zip(self._devices, per_replica):
-            with engine.devices.device_scope(device):
-                cut.append([None if g is None else flat_shards.split(ops.convert_to_tensor(g), n) for g in grads])
-        present = [j for j, g in enumerate(per_replica[0]) if g is not None]
-        pairs = [(PerReplica([cut[r][j][i] for r in range(n)]), self._devices[i]) for i in range(n) for j in present]
-        summed = iter(self._cross_device_ops.batch_reduce(ReduceOp.SUM, pairs))
-        pieces = [[None] * len(per_replica[0]) for _ in range(n)]
-        for i in range(n):
-            for j in present:
-                pieces[i][j] = next(summed)
-        return GradientPieces(pieces, self._devices)
+        return ReplicaGradients(per_replica)  # reduce-scattered by the update
 
     def _apply_update(self, optimizer: Any, grads: Any, variables: Sequence[Any]) -> None:
         if len(self._devices) == 1:
             return super()._apply_update(optimizer, grads, variables)
         state = optimizer_state.state_for(optimizer, variables, self._devices, self._variable_device,
                                           type(self._container).__name__)
-        if not isinstance(grads, GradientPieces) and any(isinstance(g, PerReplica) for g in grads):
-            # `apply_gradients` inside `run` at stage 2: each replica's own gradients, reduce-scattered here.
-            grads = self._reduce_scatter([[g.values[r] if isinstance(g, PerReplica) else g for g in grads]
-                                          for r in range(len(self._devices))])
-        if isinstance(grads, GradientPieces):
-            state.apply_pieces(grads)
+        if not isinstance(grads, ReplicaGradients) and any(isinstance(g, PerReplica) for g in grads):
+            # `apply_gradients` inside `run` at stage 2: each replica's own gradients.
+            grads = ReplicaGradients([[g.values[r] if isinstance(g, PerReplica) else g for g in grads]
+                                      for r in range(len(self._devices))])
+        if isinstance(grads, ReplicaGradients):
+            state.apply_per_replica(grads.per_replica)
         else:
             state.apply(grads)
 

@@ -252,8 +252,8 @@ class ReplicaStep:
         model = self.model
         if isinstance(model.optimizer, LossScaleOptimizer) or self._loss_scale() != 1.0:
             return None
-        if self._whole_steps() and not model.optimizer.built:  # no variables are created inside a compiled step
-            model.optimizer.build(model.trainable_variables)
+        if self._whole_steps():  # no variables are created inside a compiled step
+            self.strategy.extended._prepare_update(model.optimizer, model.trainable_variables)
         return self._steps_as_one("train", batches)
 
     def test_steps(self, batches: Sequence[Any]) -> Optional[dict]:
@@ -280,8 +280,8 @@ class ReplicaStep:
         shards = self._shards(data, "train")
         loss_scale, full_batch = self._loss_scale(), self._is_full_batch(shards)
         if self._one_program("train", shards):
-            if not model.optimizer.built:  # no variables are created inside a compiled step
-                model.optimizer.build(model.trainable_variables)
+            # No variables are created inside a compiled step.
+            self.strategy.extended._prepare_update(model.optimizer, model.trainable_variables)
             logs, non_trainable = self._compiled_step("train")(
                 self._per_replica(shards, loss_scale), self.host_update.batch_arrays(shards), tuple(shards.sizes)
             )

@@ -30,5 +30,8 @@ class Capabilities:
     """`ks.function` traces a custom step over its variables' state (`InProgramCustomSteps`)."""
     exchanges_in_program: bool
     """A multi-worker step's cross-worker sums are ops of its compiled program (`InProgramExchange`)."""
+    programs_span_devices: bool = False
+    """One compiled program may place its operations on several devices (TensorFlow's `tf.function`
+    with device scopes), so an update that touches every device can be one program."""
     untraceable_errors: tuple = ()
     """What tracing a model's own step raises where the engine cannot compile it (then it runs eagerly)."""

@@ -30,4 +30,6 @@ CAPABILITIES = Capabilities(
     traces_custom_steps=False,
     # TF's collectives are ops of a `tf.function` (`CollectiveReduceV2`).
     exchanges_in_program=True,
+    # Ops of a `tf.function` run on the device of their `tf.device` scope.
+    programs_span_devices=True,
 )
