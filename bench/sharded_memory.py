@@ -16,7 +16,8 @@ bytes of the replica's arrays; there is no device memory to read.
 Step time: a callback records `time.perf_counter()` around each train batch
 (Keras converts the logs first, so the interval covers the whole step); the
 first epoch (compilation, warm-up) is left out and the median of the rest is
-reported. Each configuration of a (backend, devices) cell runs in one child
+reported; each process uses one intra-op thread, as the other benchmarks (see
+"Machine and noise" on the Performance page). Each configuration of a (backend, devices) cell runs in one child
 process, in an order that alternates between repeats, and the ratio to
 Mirrored pairs runs of the same repeat; the median pair ratio and its range
 are printed.
@@ -54,6 +55,10 @@ def nbytes(value) -> int:
 
 def run_child(args) -> None:
     """Trains every configuration of one (backend, devices) cell in this process; prints JSON lines."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from mirrored_step_time import _limit_threads  # one intra-op thread, as the other benchmarks
+
+    _limit_threads(os.environ["KERAS_BACKEND"], 1)
     import keras
     import numpy as np
 

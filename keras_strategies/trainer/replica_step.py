@@ -203,8 +203,9 @@ class ReplicaStep:
     def _whole_steps(self) -> bool:
         """What a whole compiled step needs of every batch: compiled steps, sums made in the replica
         program, one worker."""
-        return (self._compiled and self.reduce_in_program and self.num_workers == 1
-                and self.strategy.extended._update_in_whole_step)
+        extended = self.strategy.extended
+        return (self._compiled and (self.reduce_in_program or extended._sums_gradients_in_update)
+                and self.num_workers == 1 and extended._update_in_whole_step)
 
     def _compiled_step(self, kind: str) -> Callable:
         """`_train_and_update`, `_test_and_measure` or `_predict_all`, compiled as a whole on first use."""
@@ -235,7 +236,11 @@ class ReplicaStep:
         rows come back for `GlobalUpdate.assign_non_trainable`.
         """
         outputs = self._train(self.program.state(), per_replica)
-        grads, loss = self.host_update.sums_of_first_replica(outputs)
+        if self.reduce_in_program:
+            grads, loss = self.host_update.sums_of_first_replica(outputs)
+        else:  # the strategy sums the gradients in its update (reduce-scatters them)
+            grads = self.host_update.sum_gradients([grads for grads, _ in outputs])
+            (loss,) = self.host_update.reduce(ReduceOp.SUM, [[aux[0]] for _, aux in outputs])
         predictions = self.host_update.global_predictions(sizes, [aux[1] for _, aux in outputs])
         logs = self.host_update.apply_and_measure(grads, loss, predictions, self.host_update.batch_tensors(batch))
         return logs, [outputs[i][1][2] for i in replicas_with_rows(sizes)]
@@ -332,7 +337,10 @@ class ReplicaStep:
         """The test step after the batch is cut, one worker: the replica program (the loss summed
         in it), the global predictions and the metric update (see `_train_and_update`)."""
         outputs = self._test(self.program.state(), per_replica)
-        loss = self.host_update.on_host(outputs[0][0])  # summed in the replica program
+        if self.reduce_in_program:
+            loss = self.host_update.on_host(outputs[0][0])  # summed in the replica program
+        else:
+            (loss,) = self.host_update.reduce(ReduceOp.SUM, [[aux[0]] for aux in outputs])
         return self.host_update.update_metrics(self.host_update.batch_tensors(batch), loss, self.host_update.global_predictions(sizes, [aux[1] for aux in outputs]))
 
     def test_step(self, data: Any, stop_asked: bool = False) -> Any:

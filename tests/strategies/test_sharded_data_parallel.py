@@ -226,3 +226,58 @@ def test_one_device_is_plain_keras():
     reference.fit(x, y, **kwargs)
     assert_close(model.get_weights(), reference.get_weights())
     assert strategy.extended.optimizer_state(model.optimizer) is None and model.optimizer.built
+
+
+def test_backup_and_restore_resumes_exactly_under_another_replica_count(tmp_path):
+    """A `fit` stopped after its first epoch resumes from `BackupAndRestore`'s backup under 2
+    replicas (the optimizer state loaded into the new pieces) and ends where one device does."""
+    x, y = data()
+    kwargs = dict(batch_size=4, epochs=3, shuffle=False, verbose=0)
+
+    class StopAfterFirstEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("stopped")
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(4), stage=2)
+    model, reference = sharded_and_reference(strategy, OPTIMIZERS["adam-global-clipnorm"])
+    initial = reference.get_weights()
+    with pytest.raises(RuntimeError, match="stopped"):
+        model.fit(x, y, callbacks=[backup, StopAfterFirstEpoch()], **kwargs)
+    two = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=1)
+    with two.scope():
+        resumed = build(OPTIMIZERS["adam-global-clipnorm"])
+    resumed.set_weights(initial)  # overwritten by the backup
+    history = resumed.fit(x, y, callbacks=[backup], **kwargs).history
+    expected = reference.fit(x, y, **kwargs).history
+    assert len(history["loss"]) == 2
+    np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=1e-5, atol=1e-6)
+    assert_close(resumed.get_weights(), reference.get_weights())
+
+
+def test_mixed_bfloat16_equals_one_device_to_its_precision():
+    """Layers computing in bfloat16 (float32 variables, no loss scaling)."""
+    def optimizer():
+        return keras.optimizers.Adam(0.02)
+
+    def mixed():
+        model = keras.Sequential([keras.Input((FEATURES,)),
+                                  keras.layers.Dense(7, activation="tanh", dtype="mixed_bfloat16"),
+                                  keras.layers.Dense(3, dtype="mixed_bfloat16")])
+        model.compile(loss="mse", optimizer=optimizer())
+        return model
+
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(4), stage=2)
+    with strategy.scope():
+        model = mixed()
+    reference = mixed()
+    model.set_weights(reference.get_weights())
+    x, y = data()
+    kwargs = dict(batch_size=6, epochs=2, shuffle=False, verbose=0)
+    got, expected = model.fit(x, y, **kwargs).history, reference.fit(x, y, **kwargs).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=2e-2)
+    for g, e in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(g, e, rtol=2e-2, atol=5e-3)
+    assert {keras.backend.standardize_dtype(p.dtype) for p in strategy.extended.optimizer_state(
+        model.optimizer).pieces[0]} == {"float32"}
