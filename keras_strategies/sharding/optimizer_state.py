@@ -9,6 +9,11 @@ optimizer itself would (norms need the whole gradient), then each device
 updates its piece of every variable with its piece of the gradients, and the
 pieces are gathered back into the variables.
 
+In a cluster of several workers the pieces are those of every replica of
+every worker (`PieceLayout`): worker w's local devices hold its consecutive
+pieces, and the updated pieces of all workers are all-gathered across them
+with the engine's collective (`engine.collectives.all_gather`).
+
 That equals the optimizer's own update where the update is elementwise
 (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion);
 optimizers that read whole rows or norms of a variable (Adafactor, Lamb,
@@ -19,8 +24,9 @@ optimizer's own variables, so it loads under any strategy and replica count.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import keras
 import numpy as np
@@ -90,12 +96,25 @@ def _numpy(value: Any) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(getattr(value, "value", value)))
 
 
+@dataclasses.dataclass(frozen=True)
+class PieceLayout:
+    """Which pieces this process's devices hold: `num_pieces` in all (every replica of every worker),
+    this process's from `first` on, one per local device; `across_workers` all-gathers a list of
+    local arrays from every worker (stacked in worker order), None in one process."""
+
+    num_pieces: int
+    first: int = 0
+    across_workers: Optional[Callable[[list], list]] = None
+
+
 class ShardedOptimizerState:
     """`optimizer`'s state for `variables`, one piece per device of `devices`; updates run there."""
 
-    def __init__(self, optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str):
+    def __init__(self, optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str,
+                 layout: Optional[PieceLayout] = None):
         self.optimizer, self.variables = optimizer, list(variables)
         self.devices, self.host = tuple(devices), host
+        self.layout = layout or PieceLayout(len(self.devices))
         self.pieces: list = []  # pieces[i][j]: device i's piece of variable j
         self.optimizers: list = []  # device i's copy of the optimizer, built on pieces[i]
         self.references: list = []  # for each variable of a copy: the variable it mirrors (an index) or None
@@ -114,7 +133,7 @@ class ShardedOptimizerState:
                       loss_scale_factor=None)
         for i, device in enumerate(self.devices):
             with engine.devices.device_scope(device):
-                pieces = [keras.Variable(np.zeros((flat_shards.piece_length(v.shape, len(self.devices)),),
+                pieces = [keras.Variable(np.zeros((flat_shards.piece_length(v.shape, self.layout.num_pieces),),
                                                   keras.backend.standardize_dtype(v.dtype)),
                                          name=v.name, trainable=True) for v in self.variables]
                 copy = type(optimizer).from_config(config)
@@ -188,7 +207,8 @@ class ShardedOptimizerState:
                   present)
 
     def _run(self, key: tuple, update: Any, grads: Any, present: tuple) -> None:
-        if not engine.capabilities.programs_span_devices:
+        # Cross-worker collectives run eagerly, between the compiled parts.
+        if not engine.capabilities.programs_span_devices or self.layout.across_workers is not None:
             return update(grads, present)
         program = self._programs.get(key)
         if program is None:
@@ -253,16 +273,17 @@ class ShardedOptimizerState:
     def _cut(self, values: list, grads: Optional[list]) -> tuple:
         """On the host device: the variables (and the whole gradients, unscaled and clipped by the
         optimizer) cut into pieces: `[piece i of each] for each device i`."""
-        n, optimizer = len(self.devices), self.optimizer
+        n, optimizer = self.layout.num_pieces, self.optimizer
+        own = range(self.layout.first, self.layout.first + len(self.devices))  # this process's pieces
         with engine.devices.device_scope(self.host):
             cut_values = [flat_shards.split(v, n) for v in values]
             if grads is None:
-                return [[cut[i] for cut in cut_values] for i in range(n)], None
+                return [[cut[i] for cut in cut_values] for i in own], None
             if optimizer.loss_scale_factor is not None:
                 grads = [g / optimizer.loss_scale_factor for g in grads]
             cut_grads = [flat_shards.split(keras.ops.convert_to_tensor(g), n) for g in optimizer._clip_gradients(grads)]
-            return ([[cut[i] for cut in cut_values] for i in range(n)],
-                    [[cut[i] for cut in cut_grads] for i in range(n)])
+            return ([[cut[i] for cut in cut_values] for i in own],
+                    [[cut[i] for cut in cut_grads] for i in own])
 
     def _on(self, i: int, values: list) -> list:
         return engine.devices.place_each(list(values), [self.devices[i]] * len(values))
@@ -285,10 +306,19 @@ class ShardedOptimizerState:
                 step(on_device[:len(own)], grads[i], on_device[len(own):])
         gathered = engine.devices.place_each([pieces[j].value for pieces in self.pieces for j in present],
                                              [host] * (len(present) * len(self.pieces)))
+        gathered = self._from_every_worker(gathered)
         join = self._part("join", present, lambda values: self._join(values, present),
                           [*(self.variables[j] for j in present), optimizer.iterations])
         with engine.devices.device_scope(host):
             join(gathered)
+
+    def _from_every_worker(self, local: list) -> list:
+        """Every worker's values of `local` (one list per local device, flattened), in the order of
+        their pieces: worker 0's devices, then worker 1's, ... (as is, in one process)."""
+        if self.layout.across_workers is None:
+            return local
+        stacked = self.layout.across_workers(list(local))
+        return [value[w] for w in range(self.layout.num_pieces // len(self.devices)) for value in stacked]
 
     def _device_update(self, copy: Any, own: list, num_scalars: int, clip: bool) -> Any:
         optimizer = self.optimizer
@@ -311,7 +341,7 @@ class ShardedOptimizerState:
         k = len(present)
         for position, j in enumerate(present):
             variable = self.variables[j]
-            variable.assign(flat_shards.join([gathered[i * k + position] for i in range(len(self.pieces))],
+            variable.assign(flat_shards.join([gathered[i * k + position] for i in range(self.layout.num_pieces)],
                                              variable.shape))
             if variable.constraint is not None:
                 variable.assign(variable.constraint(variable))
@@ -332,15 +362,18 @@ class ShardedOptimizerState:
 
     def whole_values(self) -> list:
         """The state as the optimizer built whole would hold it, in the order of its variables."""
+        sliced = [k for k, reference in enumerate(self.references) if reference is not None]
+        local = [np.concatenate([_numpy(copy.variables[k]) for copy in self.optimizers]) for k in sliced]
+        if self.layout.across_workers is not None:  # every worker's pieces, in worker order
+            local = [_numpy(stacked).reshape(-1) for stacked in self.layout.across_workers(local)]
+        flats = dict(zip(sliced, local))
         values = []
         for k, reference in enumerate(self.references):
-            first = self.optimizers[0].variables[k]
             if reference is None:
-                values.append(_numpy(self._own_scalar(first)))
+                values.append(_numpy(self._own_scalar(self.optimizers[0].variables[k])))
                 continue
             shape = tuple(self.variables[reference].shape)
-            flat = np.concatenate([_numpy(copy.variables[k]) for copy in self.optimizers])
-            values.append(flat[:math.prod(shape)].reshape(shape))
+            values.append(flats[k][:math.prod(shape)].reshape(shape))
         return values
 
     def _own_scalar(self, variable: Any) -> Any:
@@ -360,7 +393,7 @@ class ShardedOptimizerState:
                 f"The saved state of optimizer '{self.optimizer.name}' has {len(values)} variables, but this "
                 f"optimizer has {expected} for these {len(self.variables)} trainable variables: it was saved "
                 "for another model or another optimizer.")
-        n = len(self.devices)
+        n, first = self.layout.num_pieces, self.layout.first
         for k, (reference, value) in enumerate(zip(self.references, values)):
             value = np.asarray(value)
             own = self._own_scalar(self.optimizers[0].variables[k])
@@ -372,7 +405,7 @@ class ShardedOptimizerState:
                     length = flat_shards.piece_length(value.shape, n)
                     flat = np.zeros((length * n,), value.dtype)
                     flat[:value.size] = value.reshape(-1)
-                    value_i = flat[i * length:(i + 1) * length]
+                    value_i = flat[(first + i) * length:(first + i + 1) * length]
                 else:
                     value_i = value
                 with engine.devices.device_scope(device):
@@ -380,12 +413,12 @@ class ShardedOptimizerState:
 
 
 def state_for(optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str,
-              strategy_name: str) -> ShardedOptimizerState:
+              strategy_name: str, layout: Optional[PieceLayout] = None) -> ShardedOptimizerState:
     """`optimizer`'s sharded state for `variables`, made at its first update."""
     state = state_of(optimizer)
     if state is None or [id(v) for v in state.variables] != [id(v) for v in variables]:
         check_optimizer(optimizer, strategy_name)
-        state = ShardedOptimizerState(optimizer, variables, devices, host)
+        state = ShardedOptimizerState(optimizer, variables, devices, host, layout)
     return state
 
 

@@ -393,6 +393,20 @@ class MultiWorkerMirroredExtended(MirroredExtended):
                 for i, ((variable, kind, _, _), total) in enumerate(zip(items, summed))]
 
 
+def check_communication_options(options: Optional[CommunicationOptions]) -> CommunicationOptions:
+    """`options` (by default `CommunicationOptions()`), refused with the fix when unusable here."""
+    if options is None:
+        options = CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise ValueError(f"communication_options must be a ks.CommunicationOptions, got {options!r}.")
+    if options.implementation == CommunicationImplementation.NCCL and not engine.devices.has_gpu():
+        raise ValueError(
+            "CommunicationImplementation.NCCL needs GPUs, and this machine has none. "
+            "Use CommunicationImplementation.AUTO or RING."
+        )
+    return options
+
+
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous training on the devices of several workers, as `tf.distribute.MultiWorkerMirroredStrategy`.
 
@@ -432,18 +446,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: Any = None, communication_options: Optional[CommunicationOptions] = None):
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        if not isinstance(communication_options, CommunicationOptions):
-            raise ValueError(
-                "communication_options must be a ks.CommunicationOptions, got "
-                f"{communication_options!r}."
-            )
-        if communication_options.implementation == CommunicationImplementation.NCCL and not engine.devices.has_gpu():
-            raise ValueError(
-                "CommunicationImplementation.NCCL needs GPUs, and this machine has none. "
-                "Use CommunicationImplementation.AUTO or RING."
-            )
+        communication_options = check_communication_options(communication_options)
         self._cluster_resolver = cluster_resolver if cluster_resolver is not None else resolver_from_environment()
         cluster = resolve(self._cluster_resolver)
         super().__init__(MultiWorkerMirroredExtended(self, cluster, communication_options))

@@ -6,6 +6,11 @@ across replicas), but instead of one update of every variable with the whole
 optimizer state, each device keeps 1/N of the state (`sharding/optimizer_state.py`)
 and updates its piece of every variable; the pieces are gathered back into
 the variables. The largest optimizer state that fits is N times Mirrored's.
+
+In a cluster (TF_CONFIG or another launcher's environment, as for
+`MultiWorkerMirroredStrategy`, whose cross-worker sums it shares) the pieces
+are those of all `workers x local devices` replicas; after each update the
+workers all-gather their updated pieces.
 """
 
 from __future__ import annotations
@@ -13,24 +18,27 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from keras_strategies.backend import engine
+from keras_strategies.cluster_resolver.environment import resolver_from_environment
 from keras_strategies.distribute.devices import default_compute_devices, resolve_devices
 from keras_strategies.distribute.values import PerReplica
 from keras_strategies.distribute.strategy import Strategy
+from keras_strategies.multi_worker.communication import CommunicationOptions
+from keras_strategies.multi_worker.worker_cluster import resolve
 from keras_strategies.sharding import optimizer_state
 from keras_strategies.sharding.gradient_pieces import ReplicaGradients
-from keras_strategies.strategies.central_storage import refuse_a_cluster
 from keras_strategies.strategies.mirrored import MirroredExtended
+from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, check_communication_options
 
 STAGES = (1, 2)  # the ZeRO stages this strategy implements
 
 
-class ShardedDataParallelExtended(MirroredExtended):
-    """Mirrored's replica steps; the update of each variable's pieces on the devices holding their state."""
+class ShardedUpdates:
+    """Mirrored's replica steps; the update of each variable's pieces on the devices holding their
+    state. A mixin of `MirroredExtended` (one process) and `MultiWorkerMirroredExtended` (a cluster)."""
 
     _shards_optimizer_state = True
 
-    def __init__(self, container, devices: Sequence[str], stage: int):
-        super().__init__(container, devices, cross_device_ops=None)
+    def _set_stage(self, stage: int) -> None:
         self._stage = stage
         if stage >= 2:
             # The replicas' gradients are reduce-scattered after the replica program, not summed in it.
@@ -43,11 +51,21 @@ class ShardedDataParallelExtended(MirroredExtended):
         # place operations on several devices (a JAX step program runs on the replicas' mesh).
         return engine.capabilities.programs_span_devices
 
+    def _piece_layout(self) -> optimizer_state.PieceLayout:
+        """The pieces of this process's devices: one per local replica, in one process."""
+        return optimizer_state.PieceLayout(len(self._devices))
+
+    def _sharded(self) -> bool:
+        return self.num_replicas_in_sync > 1
+
+    def _state_for(self, optimizer: Any, variables: Sequence[Any]) -> optimizer_state.ShardedOptimizerState:
+        return optimizer_state.state_for(optimizer, variables, self._devices, self._variable_device,
+                                         type(self._container).__name__, self._piece_layout())
+
     def _prepare_update(self, optimizer: Any, variables: Sequence[Any]) -> None:
-        if len(self._devices) == 1:
+        if not self._sharded():
             return super()._prepare_update(optimizer, variables)
-        optimizer_state.state_for(optimizer, variables, self._devices, self._variable_device,
-                                  type(self._container).__name__)
+        self._state_for(optimizer, variables)
 
     @property
     def stage(self) -> int:
@@ -55,7 +73,7 @@ class ShardedDataParallelExtended(MirroredExtended):
         return self._stage
 
     def _custom_steps_untraceable(self) -> Optional[str]:
-        if len(self._devices) > 1:
+        if self._sharded():
             return "ShardedDataParallelStrategy updates each device's piece of the optimizer state on that device"
         return super()._custom_steps_untraceable()
 
@@ -65,10 +83,9 @@ class ShardedDataParallelExtended(MirroredExtended):
         return ReplicaGradients(per_replica)  # reduce-scattered by the update
 
     def _apply_update(self, optimizer: Any, grads: Any, variables: Sequence[Any]) -> None:
-        if len(self._devices) == 1:
+        if not self._sharded():
             return super()._apply_update(optimizer, grads, variables)
-        state = optimizer_state.state_for(optimizer, variables, self._devices, self._variable_device,
-                                          type(self._container).__name__)
+        state = self._state_for(optimizer, variables)
         if not isinstance(grads, ReplicaGradients) and any(isinstance(g, PerReplica) for g in grads):
             # `apply_gradients` inside `run` at stage 2: each replica's own gradients.
             grads = ReplicaGradients([[g.values[r] if isinstance(g, PerReplica) else g for g in grads]
@@ -83,9 +100,39 @@ class ShardedDataParallelExtended(MirroredExtended):
         return optimizer_state.state_of(optimizer)
 
 
+class ShardedDataParallelExtended(ShardedUpdates, MirroredExtended):
+    """`ShardedUpdates` on the devices of one machine."""
+
+    def __init__(self, container, devices: Sequence[str], stage: int):
+        super().__init__(container, devices, cross_device_ops=None)
+        self._set_stage(stage)
+
+
+class MultiWorkerShardedExtended(ShardedUpdates, MultiWorkerMirroredExtended):
+    """`ShardedUpdates` over every replica of every worker: worker w's devices hold its consecutive
+    pieces, and the updated pieces of all workers are all-gathered after each update."""
+
+    def __init__(self, container, cluster: Any, options: CommunicationOptions, devices: Optional[Sequence[str]],
+                 stage: int):
+        local = default_compute_devices if devices is None else lambda: resolve_devices(devices)
+        super().__init__(container, cluster, options, local_devices=local)
+        self._set_stage(stage)
+
+    def _piece_layout(self) -> optimizer_state.PieceLayout:
+        local = len(self._devices)
+        return optimizer_state.PieceLayout(self.num_replicas_in_sync, self._cluster.worker_index * local,
+                                           self._pieces_of_every_worker)
+
+    def _pieces_of_every_worker(self, values: list) -> list:
+        """`values` of every worker, stacked in worker order, under the watchdog (a lost worker is named)."""
+        if engine.collectives.tracing():  # inside a compiled train step, which runs under the watchdog
+            return engine.collectives.all_gather(values)
+        return self._run_watched("all-gather of the updated pieces", lambda: engine.collectives.all_gather(values))
+
+
 class ShardedDataParallelStrategy(Strategy):
-    """Synchronous data parallelism on the devices of one machine with the optimizer state
-    sharded across them (ZeRO stage 1).
+    """Synchronous data parallelism with the optimizer state sharded across the replicas (ZeRO
+    stages 1 and 2), on the devices of one machine or of every worker of a cluster.
 
     Each global batch is split across the devices as under `ks.MirroredStrategy`
     and the replicas' gradients are summed; each device then keeps 1/N of the
@@ -97,10 +144,22 @@ class ShardedDataParallelStrategy(Strategy):
     RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion). Checkpoints hold the
     state whole, so they load under any strategy and replica count.
 
+    Where the launcher's environment describes a cluster (`TF_CONFIG`, or
+    torchrun's, a SLURM step's or mpirun's variables), or a `cluster_resolver`
+    is given, the replicas are every local device of every worker, as under
+    `ks.MultiWorkerMirroredStrategy`: each worker keeps the state of its
+    replicas' pieces, and the workers all-gather the updated pieces.
+
     Args:
-        devices: Device names of the replicas; `None` means every local
-            accelerator, or every (virtual) CPU device when there is none.
-        stage: The ZeRO stage; 1 (the optimizer state sharded) is implemented.
+        devices: Device names of this process's replicas; `None` means every
+            local accelerator, or every (virtual) CPU device when there is none.
+        stage: The ZeRO stage: 1, the optimizer state sharded; 2, the summed
+            gradients too (one machine).
+        cluster_resolver: Where a cluster and this worker's role come from, as
+            for `ks.MultiWorkerMirroredStrategy`; `None` reads the launcher's
+            environment (one machine without one).
+        communication_options: A `ks.CommunicationOptions` for the cross-worker
+            collectives (implementation, timeout).
 
     Examples:
         >>> strategy = ks.experimental.ShardedDataParallelStrategy(["cpu:0", "cpu:1"])
@@ -114,7 +173,8 @@ class ShardedDataParallelStrategy(Strategy):
         [64, 64]
     """
 
-    def __init__(self, devices: Optional[Sequence[str]] = None, stage: int = 1):
+    def __init__(self, devices: Optional[Sequence[str]] = None, stage: int = 1, cluster_resolver: Any = None,
+                 communication_options: Optional[CommunicationOptions] = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3 (the ZeRO stages), got {stage!r}.")
         if stage not in STAGES:
@@ -122,6 +182,21 @@ class ShardedDataParallelStrategy(Strategy):
                 f"ShardedDataParallelStrategy implements stages 1 and 2 (the optimizer state, and the summed "
                 f"gradients, sharded); stage {stage} (the parameters sharded too) is not available yet. "
                 "Use stage=2.")
-        refuse_a_cluster("ShardedDataParallelStrategy", "ks.MultiWorkerMirroredStrategy")
+        self._cluster_resolver = cluster_resolver if cluster_resolver is not None else resolver_from_environment()
+        cluster = resolve(self._cluster_resolver)
+        if cluster.num_workers > 1:
+            if stage >= 2:
+                raise ValueError(
+                    f"ShardedDataParallelStrategy shards the summed gradients (stage {stage}) on one machine; in a "
+                    f"cluster of {cluster.num_workers} workers it implements stage 1 (the optimizer state sharded "
+                    "over every replica of every worker). Use stage=1.")
+            options = check_communication_options(communication_options)
+            super().__init__(MultiWorkerShardedExtended(self, cluster, options, devices, stage))
+            return
         resolved = default_compute_devices() if devices is None else resolve_devices(devices)
         super().__init__(ShardedDataParallelExtended(self, resolved, stage))
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver this strategy was created with (by default the launcher's environment)."""
+        return self._cluster_resolver

@@ -35,8 +35,8 @@ def run_program(name, args=(), workers=2, devices_per_worker=1, timeout=240, env
 # workers costs about 17 s of CPU time before they compute anything; the tutorial, the recovery
 # runs and the checks of a fresh process keep starts of their own.
 TOGETHER = {
-    1: (("train.py",), ("collectives.py",), ("keras_hub_fit.py",)),
-    2: (("train.py",), ("collectives.py", "wide-only"), ("sharded_input.py",))
+    1: (("train.py",), ("collectives.py",), ("keras_hub_fit.py",), ("sharded.py",)),
+    2: (("train.py",), ("collectives.py", "wide-only"), ("sharded_input.py",), ("sharded.py",))
     # On JAX, TPUStrategy over the hosts of a slice (`programs/tpu_hosts.py`): TensorFlow's TPU
     # runtime drives a slice's hosts itself, and PyTorch has no TPU runtime.
     + ((("tpu_hosts.py",),) if keras.backend.backend() == "jax" else ()),

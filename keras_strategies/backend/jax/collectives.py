@@ -142,6 +142,34 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     return jax.block_until_ready([out.addressable_data(0) for out in program(*global_arrays)])
 
 
+def _gather_program(shapes: tuple, dtypes: tuple) -> Callable:
+    """A compiled all-gather over workers of blocks with these local shapes (cached per signature):
+    each output `(num_workers, *shape)`, replicated."""
+    key = ("gather", shapes, dtypes)
+    programs = _state.setdefault("programs", {})
+    if key not in programs:
+        def gather(*blocks):
+            return [jax.lax.all_gather(jnp.reshape(b, shape), "workers") for b, shape in zip(blocks, shapes)]
+
+        programs[key] = jax.jit(jax.shard_map(gather, mesh=_state["mesh"], in_specs=P("workers"), out_specs=P(),
+                                              check_vma=False))
+    return programs[key]
+
+
+def all_gather(values: list) -> list:
+    """Each of `values` from every worker, stacked in worker order: `(num_workers, *shape)`; one
+    compiled all-gather (eager only, as `all_reduce_sum`)."""
+    if tracing():
+        raise NotImplementedError("Cross-worker collectives cannot run inside a compiled JAX function: call them "
+                                  "eagerly.")
+    device = _state["device"]
+    local = [v if isinstance(v, jax.Array) and v.devices() == {device} else jax.device_put(v, device) for v in values]
+    shapes = tuple(tuple(a.shape) for a in local)
+    global_arrays = [_worker_block(a if a.ndim else jnp.reshape(a, (1,))) for a in local]
+    program = _gather_program(shapes, tuple(a.dtype for a in local))
+    return jax.block_until_ready([out.addressable_data(0) for out in program(*global_arrays)])
+
+
 def start_all_reduce_sum(values: list, donated: Any = False) -> pending.Finished:
     """`all_reduce_sum(values, donated)` as a pending result (the engines' common interface).
 

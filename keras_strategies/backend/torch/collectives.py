@@ -179,6 +179,29 @@ def start_all_reduce_sum(values: list, donated: Any = False) -> _PendingSum:
     return _PendingSum(originals, tensors, alone, groups, packs, works)
 
 
+def all_gather(values: list) -> list:
+    """Each of `values` from every worker, stacked in worker order: `(num_workers, *shape)`.
+
+    One gloo all-gather per dtype, of the values packed flat (same shapes and
+    dtypes on every worker).
+    """
+    originals = [_as_torch(v) for v in values]
+    tensors = [t.detach().cpu().reshape(-1) for t in originals]
+    workers = dist.get_world_size()
+    outputs: list = [None] * len(tensors)
+    for group in packing.group_by_dtype(tensors):
+        flat = torch.cat([tensors[i] for i in group]) if len(group) > 1 else tensors[group[0]].contiguous()
+        parts = [torch.empty_like(flat) for _ in range(workers)]
+        dist.all_gather(parts, flat)
+        stacked = torch.stack(parts)
+        offset = 0
+        for i in group:
+            size = tensors[i].numel()
+            outputs[i] = stacked[:, offset:offset + size].reshape((workers, *originals[i].shape))
+            offset += size
+    return [out.to(original.device) for out, original in zip(outputs, originals)]
+
+
 def kv_set(key: str, value: str) -> None:
     _state["store"].set(key, value)
 

@@ -1,0 +1,65 @@
+"""One worker of a multi-worker run of `ShardedDataParallelStrategy` (stage 1): fit / evaluate /
+predict, the guide's custom loop, what each replica stores, and whole checkpoints.
+
+Each worker starts from different random weights (the chief's must win); the chief writes the
+initial weights, from which the test computes the single-process reference, and the model saved
+under every replica of the cluster (`sharded.keras`, `sharded.weights.h5`), which the test loads
+under fewer replicas and under none. Every worker writes its results to `sharded_worker_<task id>.npz`.
+"""
+
+import os
+import sys
+
+import keras_strategies as ks
+
+strategy = ks.experimental.ShardedDataParallelStrategy(
+    communication_options=ks.CommunicationOptions(timeout_seconds=120))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import GLOBAL_BATCH, adam, build_model, data, guide_loop, keras_run  # noqa: E402
+
+out = sys.argv[1]
+task_id = strategy.cluster_resolver.task_id
+keras.utils.set_random_seed(200 + task_id)
+results = {"num_replicas": strategy.num_replicas_in_sync, "stage": strategy.extended.stage}
+
+with strategy.scope():
+    model = build_model()
+if strategy.extended.should_checkpoint:
+    np.savez(os.path.join(out, "sharded_initial.npz"), *model.get_weights())
+for key, value in keras_run(model, *data()).items():
+    if key == "weights":
+        results.update({f"fit_weights_{i}": w for i, w in enumerate(value)})
+    else:
+        results[f"fit_{key}"] = np.asarray(value)
+
+# What this worker's replicas hold: one piece of every variable each, and the optimizer's slots
+# (Adam's two moments) for those pieces only.
+state = strategy.extended.optimizer_state(model.optimizer)
+results["first_piece"] = state.layout.first
+results["num_pieces"] = state.layout.num_pieces
+results["piece_lengths"] = np.array([[int(p.shape[0]) for p in pieces] for pieces in state.pieces])
+results["slot_bytes"] = np.array(state.slot_bytes_per_replica())
+results["optimizer_built_whole"] = len(model.optimizer.variables) > 2
+
+# Every worker saves, as under tf.distribute; the chief's files are the ones written there.
+model.save(os.path.join(out, "sharded.keras"))
+model.save_weights(os.path.join(out, "sharded.weights.h5"))
+
+
+# The guide's custom loop with Adam: `apply_gradients` inside `run` updates the pieces.
+with strategy.scope():
+    loop_model = build_model()
+    optimizer = adam()
+if strategy.extended.should_checkpoint:
+    np.savez(os.path.join(out, "sharded_loop_initial.npz"), *loop_model.get_weights())
+dataset = tf.data.Dataset.from_tensor_slices(data()).batch(GLOBAL_BATCH)
+results["loop_losses"] = np.asarray(guide_loop(strategy, loop_model, optimizer, dataset, ks))
+results.update({f"loop_weights_{i}": w for i, w in enumerate(loop_model.get_weights())})
+
+np.savez(os.path.join(out, f"sharded_worker_{task_id}.npz"), **results)
+print("SHARDED DONE", flush=True)

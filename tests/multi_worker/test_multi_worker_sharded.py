@@ -1,0 +1,108 @@
+"""`ShardedDataParallelStrategy` on two real worker processes on 127.0.0.1 (stage 1).
+
+On 2 workers x 1 and 2 workers x 2 devices: `fit` / `evaluate` / `predict` and the guide's
+custom loop equal one process on the same global batch within 1e-5 (50 samples in global
+batches of 16: a partial last batch; a bias of one element, which 2 and 4 do not divide), every
+replica holds one piece of each variable and the optimizer's slots for it alone, and the model
+saved under every replica of the cluster loads under fewer replicas and under none.
+"""
+
+import math
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_strategies as ks
+from mw_launch import PROGRAMS, run_together
+
+sys.path.insert(0, PROGRAMS)
+from common import GLOBAL_BATCH, adam, build_model, data, keras_run  # noqa: E402
+from reference_loops import average_loss, split, squared_error, train  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+_runs: dict = {}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["2x1", "2x2"])
+def run(request, tmp_path_factory):
+    if request.param not in _runs:
+        out = run_together(("sharded.py",), request.param, tmp_path_factory)
+        _runs[request.param] = out, request.param, [np.load(out / f"sharded_worker_{i}.npz") for i in range(2)]
+    return _runs[request.param]
+
+
+def _load(path):
+    archive = np.load(path)
+    return [archive[f"arr_{i}"] for i in range(len(archive.files))]
+
+
+def _weights(results, key):
+    names = sorted((k for k in results.files if k.startswith(key + "_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    return [results[k] for k in names]
+
+
+def _assert_close(got, expected):
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, **TOL)
+
+
+def _one_process(out):
+    model = build_model()
+    model.set_weights(_load(out / "sharded_initial.npz"))
+    return model, keras_run(model, *data())
+
+
+def test_fit_evaluate_predict_equal_one_process(run):
+    out, per_worker, results = run
+    _, expected = _one_process(out)
+    for worker in results:
+        assert int(worker["num_replicas"]) == 2 * per_worker and int(worker["stage"]) == 1
+        for key in ("loss", "mae", "evaluate", "predict"):
+            np.testing.assert_allclose(worker[f"fit_{key}"], expected[key], err_msg=key, **TOL)
+        _assert_close(_weights(worker, "fit_weights"), expected["weights"])
+
+
+def test_every_replica_of_every_worker_holds_one_piece(run):
+    out, per_worker, results = run
+    replicas = 2 * per_worker
+    sizes = [math.prod(w.shape) for w in _load(out / "sharded_initial.npz")]
+    lengths = [math.ceil(size / replicas) for size in sizes]
+    for task_id, worker in enumerate(results):
+        assert int(worker["num_pieces"]) == replicas and int(worker["first_piece"]) == task_id * per_worker
+        np.testing.assert_array_equal(worker["piece_lengths"], [lengths] * per_worker)
+        # Adam's two moments, float32, for this replica's pieces: about 1/replicas of the whole slots.
+        assert worker["slot_bytes"].tolist() == [2 * 4 * sum(lengths)] * per_worker
+        assert 2 * 4 * sum(lengths) <= 2 * 4 * sum(sizes) / replicas + 2 * 4 * len(sizes)
+        assert not bool(worker["optimizer_built_whole"])
+
+
+def test_saved_under_the_cluster_loads_under_fewer_replicas_and_under_none(run):
+    out, _, _ = run
+    reference, _ = _one_process(out)
+    plain = keras.models.load_model(out / "sharded.keras")  # no strategy: the optimizer built whole
+    _assert_close([v.numpy() for v in plain.optimizer.variables], [v.numpy() for v in reference.optimizer.variables])
+    _assert_close(plain.get_weights(), reference.get_weights())
+    two = ks.experimental.ShardedDataParallelStrategy(["cpu:0", "cpu:1"])
+    with two.scope():
+        resumed = build_model()
+        resumed.load_weights(out / "sharded.weights.h5")
+    x, y = data()
+    for model in (plain, resumed, reference):
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert not resumed.optimizer.built  # its state lives in two pieces
+    _assert_close(two.extended.optimizer_state(resumed.optimizer).whole_values(),
+                  [v.numpy() for v in reference.optimizer.variables])
+    _assert_close(resumed.get_weights(), reference.get_weights())
+    _assert_close(plain.get_weights(), reference.get_weights())
+
+
+def test_custom_loop_equals_one_process(run):
+    out, _, results = run
+    model = build_model()
+    model.set_weights(_load(out / "sharded_loop_initial.npz"))
+    losses = train(model, adam(), average_loss(squared_error), split(data(), GLOBAL_BATCH))
+    for worker in results:
+        np.testing.assert_allclose(worker["loop_losses"], losses, **TOL)
+        _assert_close(_weights(worker, "loop_weights"), model.get_weights())
