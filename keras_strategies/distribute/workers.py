@@ -48,6 +48,11 @@ class OneWorker:
     def _sync_variables_from_chief(self, also: Sequence[Any] = ()) -> None:
         """Gives every worker the chief's values of new variables and `also` (one worker: nothing to do)."""
 
+    def _sync_optimizer_state_from_chief(self, optimizer: Any, variables: Sequence[Any]) -> None:
+        """Gives every worker the chief's state of `optimizer` where it lives outside its variables
+        (split over the replicas of every worker), after the chief alone may have restored it (one
+        worker: nothing to do)."""
+
     def _broadcast_from_chief(self, number: int) -> int:
         """The chief's value of a small integer (one worker: `number`)."""
         return number

@@ -31,6 +31,7 @@ from keras.src.utils import file_utils
 
 from keras_strategies.backend.common import patches
 from keras_strategies.keras_integration.ownership import strategy_of
+from keras_strategies.sharding import optimizer_state
 
 _HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _TRAINED_BATCHES = "ks_trained_batches"  # metadata of a backup taken inside an epoch
@@ -103,7 +104,10 @@ def _wrap_load_model(original: Callable) -> Callable:
         extended = getattr(strategy_of(self.model), "extended", None)
         unsynced = getattr(extended, "_unsynced", None)
         before = len(unsynced) if unsynced is not None else 0
-        original(self)
+        # Keras builds an unbuilt optimizer whole before it loads; one whose state is split over
+        # devices takes the backup's state into its pieces instead.
+        with optimizer_state.left_unbuilt(getattr(self.model, "optimizer", None)):
+            original(self)
         if unsynced is not None and extended._unsynced is unsynced:
             del unsynced[before:]
         if strategy_of(self.model) is not None and file_utils.exists(self._training_metadata_path):

@@ -41,6 +41,7 @@ from keras_strategies.sharding import gradient_pieces
 
 _STATE = "_ks_sharded_state"
 _PENDING = "_ks_pending_whole_state"  # whole values loaded before the pieces existed
+_LEFT_UNBUILT = "_ks_left_unbuilt"  # seen as built inside `left_unbuilt` only
 _ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Ftrl", "Lion")
 
 
@@ -122,6 +123,8 @@ class ShardedOptimizerState:
         # (stage 1), one piece after a reduce-scatter (stage 2).
         self.gradient_bytes: list = [0] * len(self.devices)
         self._parts: dict = {}  # the compiled parts of an update (see "updates" below)
+        # Whole values this worker alone loaded (a chief restoring a backup), until the workers sync.
+        self.loaded_here: Optional[list] = None
         self._programs: dict = {}  # whole updates, as one program where the engine compiles those
         with _outside_strategies():
             self._make_pieces()
@@ -385,6 +388,16 @@ class ShardedOptimizerState:
             return self.optimizer._learning_rate
         return variable
 
+    def whole_zeros(self) -> list:
+        """Zeros shaped and typed as `whole_values()`: what a worker that loaded nothing sends when the
+        workers take the chief's loaded values."""
+        zeros = []
+        for k, reference in enumerate(self.references):
+            variable = self.optimizers[0].variables[k]
+            shape = variable.shape if reference is None else self.variables[reference].shape
+            zeros.append(np.zeros(tuple(shape), keras.backend.standardize_dtype(variable.dtype)))
+        return zeros
+
     def load(self, values: Sequence[Any]) -> None:
         """Loads whole values (`whole_values`' order) into the pieces."""
         expected = len(self.references)
@@ -394,6 +407,8 @@ class ShardedOptimizerState:
                 f"optimizer has {expected} for these {len(self.variables)} trainable variables: it was saved "
                 "for another model or another optimizer.")
         n, first = self.layout.num_pieces, self.layout.first
+        if self.layout.across_workers is not None:
+            self.loaded_here = [np.asarray(v) for v in values]
         for k, (reference, value) in enumerate(zip(self.references, values)):
             value = np.asarray(value)
             own = self._own_scalar(self.optimizers[0].variables[k])
@@ -441,7 +456,8 @@ def load_whole_state(optimizer: Any, values: Sequence[Any]) -> bool:
     if state is not None:
         state.load(values)
         return True
-    if not optimizer.built and len(values) > len(optimizer.variables) and shards_state(optimizer):
+    unbuilt = not optimizer.built or getattr(optimizer, _LEFT_UNBUILT, False)
+    if unbuilt and len(values) > len(optimizer.variables) and shards_state(optimizer):
         values = [np.asarray(v) for v in values]
         # An optimizer's own variables (iterations, learning rate) come first in its whole state.
         for variable, value in zip(optimizer.variables, values):
@@ -454,13 +470,16 @@ def load_whole_state(optimizer: Any, values: Sequence[Any]) -> bool:
 
 @contextlib.contextmanager
 def left_unbuilt(optimizer: Any) -> Iterator[None]:
-    """Keras builds an unbuilt optimizer whole with its model (`Trainer._symbolic_build`); one whose
-    strategy shards its state is built in pieces at its first update instead, never whole."""
+    """Keras builds an unbuilt optimizer whole with its model (`Trainer._symbolic_build`) and before
+    BackupAndRestore loads a backup; one whose strategy shards its state is built in pieces at its
+    first update instead, never whole (a backup's state waits for the pieces, `load_whole_state`)."""
     if optimizer is None or optimizer.built or not shards_state(optimizer):
         yield
         return
     optimizer.built = True  # seen as built by the block only
+    object.__setattr__(optimizer, _LEFT_UNBUILT, True)
     try:
         yield
     finally:
         optimizer.built = False
+        object.__setattr__(optimizer, _LEFT_UNBUILT, False)

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import keras
+import numpy as np
+
 from keras_strategies.backend import engine
 from keras_strategies.cluster_resolver.environment import resolver_from_environment
 from keras_strategies.distribute.devices import default_compute_devices, resolve_devices
@@ -122,6 +125,20 @@ class MultiWorkerShardedExtended(ShardedUpdates, MultiWorkerMirroredExtended):
         local = len(self._devices)
         return optimizer_state.PieceLayout(self.num_replicas_in_sync, self._cluster.worker_index * local,
                                            self._pieces_of_every_worker)
+
+    def _sync_optimizer_state_from_chief(self, optimizer: Any, variables: Sequence[Any]) -> None:
+        """At the start of `fit`, after BackupAndRestore may have restored the chief's backup into
+        the chief's pieces alone (or kept it for pieces not made yet): the pieces are made on every
+        worker, and where the chief loaded whole values, every worker loads them."""
+        if not self._sharded() or optimizer is None or self._cluster.num_workers == 1:
+            return
+        state = self._state_for(optimizer, variables)
+        if self._broadcast_from_chief(1 if state.loaded_here is not None else 0):
+            mine = state.loaded_here if self._cluster.is_chief else state.whole_zeros()
+            chiefs = self._cross_worker_sum([np.asarray(v, z.dtype) for v, z in zip(mine, state.whole_zeros())],
+                                            "broadcast of the chief's optimizer state")
+            state.load([np.asarray(keras.ops.convert_to_numpy(v)) for v in chiefs])
+        state.loaded_here = None
 
     def _pieces_of_every_worker(self, values: list) -> list:
         """`values` of every worker, stacked in worker order, under the watchdog (a lost worker is named)."""

@@ -219,6 +219,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     callbacks.on_train_begin()
     # BackupAndRestore may have restored the chief's backup: every worker continues from the chief's state.
     strategy.extended._sync_variables_from_chief(also=step_variables(model))
+    strategy.extended._sync_optimizer_state_from_chief(model.optimizer, model.trainable_variables)
     initial_epoch = strategy.extended._broadcast_from_chief(model._initial_epoch or initial_epoch)
     # A backup saved on a preemption notice (`backup_and_restore.py`) was taken inside its epoch:
     # that epoch resumes after the batches it had trained.

@@ -40,6 +40,15 @@ def test_kept_values_are_summed_exactly_and_left_unchanged(results):
             np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_all_gather_stacks_every_workers_values_in_worker_order(results):
+    _, workers = results
+    for worker in workers:
+        for i, (first, second) in enumerate(zip(collective_values(0), collective_values(1))):
+            got = worker[f"gathered_{i}"]
+            assert got.shape == (2, *first.shape) and got.dtype == first.dtype, i
+            np.testing.assert_array_equal(got, np.stack([first, second]))
+
+
 def test_results_held_by_the_caller_survive_later_sums(results):
     _, workers = results
     for worker in workers:

@@ -132,11 +132,14 @@ def test_a_stopped_worker_fails_the_chief_within_timeout_seconds_naming_it(tmp_p
     assert "worker 1 (127.0.0.1:" in message and "sent no heartbeat" in message, chief_err[-3000:]
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """A launch with `max_restarts=1` whose first attempt loses worker 1 in epoch 2."""
-    out = tmp_path_factory.mktemp("restart")
-    run = run_program("recover.py", [out, "restart"], workers=2, devices_per_worker=1, timeout=480, max_restarts=1)
+@pytest.fixture(scope="module", params=["mirrored", "sharded"])
+def resumed(request, tmp_path_factory):
+    """A launch with `max_restarts=1` whose first attempt loses worker 1 in epoch 2, under
+    MultiWorkerMirroredStrategy or ShardedDataParallelStrategy (whose optimizer state lives in
+    pieces over the workers: the chief's restored backup must reach every worker's pieces)."""
+    out = tmp_path_factory.mktemp(f"restart_{request.param}")
+    args = [out, "restart"] + (["sharded"] if request.param == "sharded" else [])
+    run = run_program("recover.py", args, workers=2, devices_per_worker=1, timeout=480, max_restarts=1)
     return out, check(run)
 
 

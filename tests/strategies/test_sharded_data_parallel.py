@@ -1,6 +1,7 @@
 """`ShardedDataParallelStrategy`: training equals one device, each device holds 1/N of the
 optimizer state, checkpoints are whole and load across replica counts and strategies."""
 
+import json
 import math
 import os
 
@@ -215,6 +216,14 @@ def test_refusals_name_the_fix():
             model = build(optimizer)
         with pytest.raises(ValueError, match=match):
             model.fit(x, y, batch_size=4, verbose=0)
+
+
+def test_stage_2_in_a_cluster_is_refused_before_joining_it(monkeypatch):
+    # A cluster of two workers (nothing listens there: the refusal comes before any connection).
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    with pytest.raises(ValueError, match="in a cluster of 2 workers it implements stage 1.*Use stage=1"):
+        ks.experimental.ShardedDataParallelStrategy(stage=2)
 
 
 def test_one_device_is_plain_keras():

@@ -71,7 +71,7 @@ def initialize(cluster: Any, options: Any) -> None:
     _state["bytes_per_pack"] = options.bytes_per_pack
     _state["task"] = (cluster.task_type, int(cluster.task_id))
     _state["eager_fn"] = tf.function(_packed_all_reduce, reduce_retracing=True)
-    _state["gather_fn"] = tf.function(_all_gather_in_graph, reduce_retracing=True)
+    _state["gather_programs"] = {}  # signature -> its compiled all-gather (`all_gather`)
     _state["num_workers"] = cluster.num_workers
     # The eager programs' collectives take the launcher's settings.
     _state["hint"] = tf_options.implementation.value.lower()
@@ -208,22 +208,42 @@ def start_all_reduce_sum(values: list, donated: Any = False) -> pending.Finished
 
 
 def _all_gather_in_graph(tensors: list) -> list:
-    """One `CollectiveGatherV2` per tensor through TF's launcher (fresh instance keys at call time)."""
-    return [_state["launcher"].all_gather(tf.expand_dims(t, 0), axis=0) for t in tensors]
+    """One `CollectiveGatherV2` per dtype through TF's launcher (fresh instance keys at call time),
+    of the tensors packed flat: `(num_workers, *shape)` each. Empty packs are not sent (TF's CPU
+    collectives crash the process on empty tensors)."""
+    workers = _state["num_workers"]
+    outputs: list = [None] * len(tensors)
+    for group in packing.group_by_dtype(tensors):
+        sizes = [tensors[i].shape.num_elements() for i in group]
+        if sum(sizes):
+            flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in group], 0)
+            stacked = tf.reshape(_state["launcher"].all_gather(tf.expand_dims(flat, 0), axis=0), [workers, -1])
+            parts = tf.split(stacked, sizes, axis=1)
+        else:
+            parts = [tf.zeros([workers, 0], tensors[i].dtype) for i in group]
+        for i, part in zip(group, parts):
+            outputs[i] = tf.reshape(part, [workers, *tensors[i].shape])
+    return outputs
 
 
 def all_gather(values: list) -> list:
     """Each of `values` from every worker, stacked in worker order: `(num_workers, *shape)`.
 
-    TF's collective all-gather, in one compiled program (eagerly) or in the
-    graph being traced; half floats travel as float32 (exact), as in `all_reduce_sum`.
+    TF's collective all-gather, one per dtype, in one compiled program
+    (eagerly) or in the graph being traced; half floats travel as float32
+    (exact), as in `all_reduce_sum`.
     """
     with tf.device(_state["device"]):
         tensors = [tf.convert_to_tensor(v) for v in values]
         dtypes = [t.dtype for t in tensors]
         tensors = [tf.cast(t, tf.float32) if t.dtype in _HALF_FLOATS else t for t in tensors]
         # Inside a compiled step (the cross-worker exchange of a train step), ops of its graph.
-        gathered = _state["gather_fn"](tensors) if tf.executing_eagerly() else _all_gather_in_graph(tensors)
+        if tf.executing_eagerly():  # one program per exact signature: the packs need static sizes
+            signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
+            program = _state["gather_programs"].setdefault(signature, tf.function(_all_gather_in_graph))
+            gathered = program(tensors)
+        else:
+            gathered = _all_gather_in_graph(tensors)
     return [value if value.dtype == dtype else tf.cast(value, dtype) for value, dtype in zip(gathered, dtypes)]
 
 

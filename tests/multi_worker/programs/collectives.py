@@ -111,6 +111,11 @@ results["inputs_unchanged"] = all(np.array_equal(ops.convert_to_numpy(t), b) for
 for i, value in enumerate(kept):
     results[f"kept_{i}"] = ops.convert_to_numpy(value)
 
+# All-gathered: every worker's values (0-d and empty too), stacked in worker order.
+gathered = engine.collectives.all_gather([ops.convert_to_tensor(v) for v in collective_values(task_id)])
+for i, value in enumerate(gathered):
+    results[f"gathered_{i}"] = ops.convert_to_numpy(value)
+
 # Results held while more sums of the same shapes run (the engines may reuse their
 # buffers, but never under a live result): the first results must not change.
 held = strategy.extended._cross_worker_sum([ops.convert_to_tensor(v) for v in collective_values(task_id)], "held")

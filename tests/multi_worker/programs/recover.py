@@ -8,10 +8,12 @@ restarts every worker, which resume from the chief's backup and finish. `hang` p
 instead (its heartbeats go on); the chief must fail after `timeout_seconds`. `stop` phase: worker 1 stops
 itself with SIGSTOP (alive, its connections open, no heartbeats); the chief must fail within
 `timeout_seconds`. `resume` phase: all workers start again, resume from the chief's backup and
-finish; the chief alone writes.
+finish; the chief alone writes. `recover.py OUT PHASE sharded` trains under
+`ShardedDataParallelStrategy` instead (the optimizer's state split over the workers' replicas).
 """
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -19,7 +21,11 @@ import time
 import keras_strategies as ks
 
 TIMEOUT = 20 if sys.argv[2] in ("hang", "stop") else 30
-strategy = ks.MultiWorkerMirroredStrategy(communication_options=ks.CommunicationOptions(timeout_seconds=TIMEOUT))
+options = ks.CommunicationOptions(timeout_seconds=TIMEOUT)
+if sys.argv[3:] == ["sharded"]:
+    strategy = ks.experimental.ShardedDataParallelStrategy(communication_options=options)
+else:
+    strategy = ks.MultiWorkerMirroredStrategy(communication_options=options)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -35,6 +41,10 @@ if phase in ("hang", "stop", "chief_crash"):
 task_id = strategy.cluster_resolver.task_id
 keras.utils.set_random_seed(100 + task_id)
 x, y = data()
+
+if phase == "restart" and not first_attempt and task_id == 1:
+    # Worker 1 restarts as a new machine would, without its own backup: it resumes from the chief's.
+    shutil.rmtree(os.path.join(out, "workertemp_1"), ignore_errors=True)
 
 with strategy.scope():
     model = build_model()
