@@ -3,15 +3,22 @@
 One model (an MLP: 256 features -> 3 x Dense(1024, relu) -> Dense(10), Adam)
 trained with `fit` on the same NumPy data and global batch (256) under
 `ks.MirroredStrategy` (ZeRO stage 0) and `ShardedDataParallelStrategy` at
-stages 1 and 2, on 2 and 4 (virtual) devices, on each backend.
+stages 1 and 2, on 2 and 4 (virtual) devices, on each backend; on JAX also
+under `keras.distribution.ModelParallel` with a `LayoutMap` that shards every
+kernel and bias along its first axis over the same devices the batch is split
+on (XLA's GSPMD then keeps the parameters and the optimizer's slots sharded:
+Keras' own route to fully sharded data parallelism, JAX only).
 
 Memory per replica is read from the arrays each strategy keeps, after
 training, not estimated: parameters (the model's variables: every replica
 reads them whole at stages 0-2), summed gradients (whole after the
 all-reduce; one piece after stage 2's reduce-scatter, as recorded by the
 last update) and optimizer state (`model.optimizer.variables` whole under
-Mirrored; each device's copy's variables when sharded). On CPU that is the
+Mirrored; each device's copy's variables when sharded; under ModelParallel,
+the bytes of each array's shard on the first device). On CPU that is the
 bytes of the replica's arrays; there is no device memory to read.
+ModelParallel's summed gradients live inside its compiled step only (they
+take the parameters' sharding there), so no bytes are read for them.
 
 Step time: a callback records `time.perf_counter()` around each train batch
 (Keras converts the logs first, so the interval covers the whole step); the
@@ -40,7 +47,7 @@ import time
 
 RESULT_PREFIX = "BENCH-RESULT "
 BACKENDS = ("tensorflow", "jax", "torch")
-CONFIGS = ("mirrored", "stage1", "stage2")
+CONFIGS = ("mirrored", "stage1", "stage2", "modelparallel")  # the last on JAX only
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -82,19 +89,33 @@ def run_child(args) -> None:
         def on_train_batch_end(self, batch, logs=None):
             self.times.append(time.perf_counter() - self.start)
 
-    order = list(CONFIGS) if args.repeat % 2 == 0 else list(reversed(CONFIGS))
+    def build():
+        model = keras.Sequential([keras.Input((features,))] + [
+            keras.layers.Dense(width, activation="relu", name=f"hidden_{i}") for i in range(3)]
+            + [keras.layers.Dense(10, name="out")])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    configs = [c for c in CONFIGS if c != "modelparallel" or keras.backend.backend() == "jax"]
+    order = configs if args.repeat % 2 == 0 else list(reversed(configs))
     for config in order:
-        strategy = (ks.MirroredStrategy(devices) if config == "mirrored" else
-                    ks.experimental.ShardedDataParallelStrategy(devices, stage=int(config[-1])))
         keras.utils.set_random_seed(0)
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((features,))] + [
-                keras.layers.Dense(width, activation="relu") for _ in range(3)] + [keras.layers.Dense(10)])
-            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        if config == "modelparallel":
+            model = model_parallel(keras, build, args.devices)
+        else:
+            strategy = (ks.MirroredStrategy(devices) if config == "mirrored" else
+                        ks.experimental.ShardedDataParallelStrategy(devices, stage=int(config[-1])))
+            with strategy.scope():
+                model = build()
         timer = Timer()
         model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=[timer])
+        keras.distribution.set_distribution(None)
         params = sum(nbytes(v) for v in model.trainable_variables)
-        if config == "mirrored":
+        if config == "modelparallel":
+            params = sum(first_shard_bytes(v) for v in model.trainable_variables)
+            optimizer = sum(first_shard_bytes(v) for v in model.optimizer.variables)
+            grads = None
+        elif config == "mirrored":
             optimizer = sum(nbytes(v) for v in model.optimizer.variables)
             grads = params
         else:
@@ -104,6 +125,24 @@ def run_child(args) -> None:
             "config": config, "params": params, "grads": grads, "optimizer": optimizer,
             "ms": 1000 * statistics.median(timer.times[steps:]),
         }), flush=True)
+
+
+def model_parallel(keras, build, devices: int):
+    """`build()` under `keras.distribution.ModelParallel`: every kernel and bias sharded along its
+    first axis (where it divides) over the one mesh axis the batch is split on too. The
+    distribution stays set for `fit`; the caller unsets it."""
+    mesh = keras.distribution.DeviceMesh((devices,), ["batch"], keras.distribution.list_devices("cpu")[:devices])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*/hidden_\\d+/kernel"] = ("batch", None)  # patterns match a variable's whole path
+    layout_map[".*/hidden_\\d+/bias"] = ("batch",)
+    layout_map[".*/out/kernel"] = ("batch", None)  # its bias (10 values) stays whole on every device
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    return build()
+
+
+def first_shard_bytes(variable) -> int:
+    """The bytes of `variable`'s shard on the first device (the whole array where it is replicated)."""
+    return int(variable.value.addressable_shards[0].data.nbytes)
 
 
 def measure(backend: str, devices: int, repeat: int, smoke: bool) -> dict:
@@ -147,14 +186,19 @@ def main() -> None:
     for backend in args.backends.split(","):
         for devices in counts:
             runs = [measure(backend, devices, r, args.smoke) for r in range(repeats)]
-            for config in CONFIGS:
+            for config in (c for c in CONFIGS if c in runs[0]):
                 first, base = runs[0][config], runs[0]["mirrored"]
-                state = (first["grads"] + first["optimizer"]) / (base["grads"] + base["optimizer"])
-                name = "ks.MirroredStrategy" if config == "mirrored" else f"ShardedDataParallel, stage {config[-1]}"
+                if first["grads"] is None:  # ModelParallel: the optimizer state alone
+                    state = f"{first['optimizer'] / base['optimizer']:.3f} (optimizer)"
+                else:
+                    state = f"{(first['grads'] + first['optimizer']) / (base['grads'] + base['optimizer']):.3f}"
+                name = {"mirrored": "ks.MirroredStrategy", "modelparallel": "keras.distribution.ModelParallel"}.get(
+                    config, f"ShardedDataParallel, stage {config[-1]}")
                 times = [run[config]["ms"] for run in runs]
                 ratios = [run[config]["ms"] / run["mirrored"]["ms"] for run in runs]
-                print(f"| {backend} | {devices} | {name} | {first['params']} | {first['grads']} | "
-                      f"{first['optimizer']} | {state:.3f} | {spread(times)} | {spread(ratios)} |", flush=True)
+                grads = "—" if first["grads"] is None else first["grads"]
+                print(f"| {backend} | {devices} | {name} | {first['params']} | {grads} | "
+                      f"{first['optimizer']} | {state} | {spread(times)} | {spread(ratios)} |", flush=True)
 
 
 if __name__ == "__main__":

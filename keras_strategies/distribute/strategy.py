@@ -10,6 +10,7 @@ the extended object, which subclasses specialise per strategy.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -35,12 +36,15 @@ from keras_strategies.distribute.values import (
 )
 
 
-_LIVE_EXTENDED: "weakref.WeakSet" = weakref.WeakSet()
+# Every live strategy's internals, in the order they were made: the same order on every worker,
+# whose syncs must run the same collectives in the same order (a set's order may differ).
+_LIVE_EXTENDED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_MADE = itertools.count()
 
 
 def sync_new_variables_from_chief() -> None:
     """Gives new variables of every live strategy the chief's values (multi-worker only)."""
-    for extended in list(_LIVE_EXTENDED):
+    for _, extended in sorted(_LIVE_EXTENDED.items()):
         extended._sync_variables_from_chief()
 
 
@@ -71,7 +75,7 @@ class StrategyExtended(CrossReplicaHelpers, HostReductions, OneWorker):
         self._container = container_strategy
         self._devices = tuple(devices)
         self._variables: list = []
-        _LIVE_EXTENDED.add(self)
+        _LIVE_EXTENDED[next(_MADE)] = self
         # Strategies that own devices keep variables (and cross-replica results) on the first one.
         self._place_variables = place_variables
 

@@ -195,19 +195,38 @@ class ShardedOptimizerState:
         and clipped there by the optimizer's own code, then cut into each device's pieces."""
         present = tuple(j for j, g in enumerate(grads) if g is not None)
         # The replicas' all-reduce left the whole sum on every device.
-        self.gradient_bytes = [sum(_nbytes(grads[j]) for j in present)] * len(self.devices)
+        # (An Embedding's gradient on TensorFlow is sliced: its dense bytes, as `_cut` makes it dense.)
+        self.gradient_bytes = [sum(_nbytes(self.variables[j]) for j in present)] * len(self.devices)
         self._run(("whole", present), self._apply_whole, [grads[j] for j in present], present)
 
     def apply_per_replica(self, per_replica: list) -> None:
         """One update with every replica's own gradients (`per_replica[r][j]`, on replica r's device),
         reduce-scattered (`gradient_pieces`): each device sums its piece of every replica's
         gradients, unscaled and clipped in pieces."""
+        if any(engine.gradients.is_sliced(g) for row in per_replica for g in row if g is not None):
+            return self.apply(self._summed_on_host(per_replica))
         present = tuple(j for j, g in enumerate(per_replica[0]) if g is not None)
         n = len(self.devices)
-        self.gradient_bytes = [sum(flat_shards.piece_length(per_replica[0][j].shape, n) * _itemsize(per_replica[0][j])
+        self.gradient_bytes = [sum(flat_shards.piece_length(self.variables[j].shape, n) * _itemsize(self.variables[j])
                                    for j in present)] * n
         self._run(("replicas", present), self._apply_replicas, [[row[j] for j in present] for row in per_replica],
                   present)
+
+    def _summed_on_host(self, per_replica: list) -> list:
+        """The replicas' gradients summed whole on the host device, slices kept as slices (their
+        sum holds every replica's, as TensorFlow sums them): where some are sliced (an Embedding's
+        on TensorFlow), stage 2 sums them as stage 1 does, whose pieces take slices."""
+        summed = []
+        for parts in zip(*per_replica):
+            if parts[0] is None:
+                summed.append(None)
+                continue
+            placed = engine.devices.place_each(list(parts), [self.host] * len(parts))
+            total = placed[0]
+            for part in placed[1:]:
+                total = engine.gradients.add(total, part)
+            summed.append(total)
+        return summed
 
     def _run(self, key: tuple, update: Any, grads: Any, present: tuple) -> None:
         # Cross-worker collectives run eagerly, between the compiled parts.
@@ -228,10 +247,12 @@ class ShardedOptimizerState:
 
     def _apply_replicas(self, grads: list, present: tuple) -> None:
         n, k, host = len(self.devices), len(present), self.host
+        shapes = [tuple(self.variables[j].shape) for j in present]  # also of sliced gradients, made dense
         cut = []  # cut[r][i]: replica r's pieces for device i, one per variable
         for r, device in enumerate(self.devices):
             split = self._part(f"split-{r}", present, lambda values: [
-                [piece[i] for piece in (flat_shards.split(ops.convert_to_tensor(g), n) for g in values)]
+                [piece[i] for piece in (flat_shards.split(ops.reshape(ops.convert_to_tensor(g), shape), n)
+                                        for g, shape in zip(values, shapes))]
                 for i in range(n)])
             with engine.devices.device_scope(device):
                 cut.append(split(grads[r]))
@@ -284,9 +305,18 @@ class ShardedOptimizerState:
                 return [[cut[i] for cut in cut_values] for i in own], None
             if optimizer.loss_scale_factor is not None:
                 grads = [g / optimizer.loss_scale_factor for g in grads]
-            cut_grads = [flat_shards.split(keras.ops.convert_to_tensor(g), n) for g in optimizer._clip_gradients(grads)]
+            cut_grads = [self._split_gradient(g, tuple(v.shape), n) for g, v in zip(optimizer._clip_gradients(grads), values)]
             return ([[cut[i] for cut in cut_values] for i in own],
                     [[cut[i] for cut in cut_grads] for i in own])
+
+    @staticmethod
+    def _split_gradient(grad: Any, shape: tuple, n: int) -> list:
+        """A whole gradient cut as its variable; a sliced one (an Embedding's on TensorFlow) into the
+        slices of each piece, which the optimizer's copies apply as the optimizer applies slices."""
+        if engine.gradients.is_sliced(grad):
+            return engine.gradients.sliced_pieces(grad, shape, n, flat_shards.piece_length(shape, n))
+        # (Clipping may have made a sliced one dense, of a shape known only when it runs.)
+        return flat_shards.split(ops.reshape(ops.convert_to_tensor(grad), shape), n)
 
     def _on(self, i: int, values: list) -> list:
         return engine.devices.place_each(list(values), [self.devices[i]] * len(values))

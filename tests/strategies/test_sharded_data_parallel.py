@@ -218,6 +218,35 @@ def test_refusals_name_the_fix():
             model.fit(x, y, batch_size=4, verbose=0)
 
 
+@pytest.mark.parametrize("clipping", [{}, {"global_clipnorm": 1.0}], ids=["slices", "clipped"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_embedding_trained_with_adam_equals_one_device(stage, clipping):
+    # On TensorFlow an Embedding's gradient is an IndexedSlices, which Keras' Adam applies slice by
+    # slice (squaring each before the repeated tokens add up): each device's piece takes the slices
+    # of its elements, so the pieces' update equals the whole one.
+    rng = np.random.default_rng(5)
+    tokens, y = rng.integers(0, 20, size=(50, 6)).astype("int32"), rng.normal(size=(50, 1)).astype("float32")
+
+    def build_embedding():
+        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.05, **clipping), loss="mse")
+        return model
+
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage)
+    with strategy.scope():
+        model = build_embedding()
+    reference = build_embedding()
+    model.set_weights(reference.get_weights())
+    kwargs = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)  # a partial last batch of 2 rows
+    history = model.fit(tokens, y, **kwargs).history
+    expected = reference.fit(tokens, y, **kwargs).history
+    assert_close([history["loss"]], [expected["loss"]])
+    assert_close(model.get_weights(), reference.get_weights())
+    assert_close(strategy.extended.optimizer_state(model.optimizer).whole_values(),
+                 [v.numpy() for v in reference.optimizer.variables])
+
+
 def test_stage_2_in_a_cluster_is_refused_before_joining_it(monkeypatch):
     # A cluster of two workers (nothing listens there: the refusal comes before any connection).
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},

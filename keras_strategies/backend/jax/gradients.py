@@ -49,3 +49,8 @@ add = ops.add
 def is_sliced(value: Any) -> bool:
     """Gradients here are always dense (TensorFlow's may be `IndexedSlices`)."""
     return False
+
+
+def sliced_pieces(value: Any, shape: tuple, num_pieces: int, length: int) -> list:
+    """Gradients here are never sliced (`is_sliced`): nothing to cut."""
+    raise NotImplementedError("Gradients on this backend are dense; sliced_pieces is never needed.")

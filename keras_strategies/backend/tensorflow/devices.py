@@ -70,8 +70,11 @@ def copy_to(value: Any, name: str) -> Any:
 
 
 def place_each(values: list, names: list) -> list:
-    """Each of `values` as a tensor on the device of the same index in `names`."""
-    return [copy_to(ops.convert_to_tensor(value), name) for value, name in zip(values, names)]
+    """Each of `values` as a tensor on the device of the same index in `names` (an `IndexedSlices`
+    stays one, its parts copied)."""
+    return [tf.IndexedSlices(copy_to(value.values, name), copy_to(value.indices, name), value.dense_shape)
+            if isinstance(value, tf.IndexedSlices) else copy_to(ops.convert_to_tensor(value), name)
+            for value, name in zip(values, names)]
 
 
 def has_gpu() -> bool:

@@ -57,3 +57,22 @@ def add(x: Any, y: Any) -> Any:
     if isinstance(x, tf.IndexedSlices) or isinstance(y, tf.IndexedSlices):
         return ops.add(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
     return ops.add(x, y)
+
+
+def sliced_pieces(value: Any, shape: tuple, num_pieces: int, length: int) -> list:
+    """An `IndexedSlices` gradient of a variable of `shape` cut as `flat_shards.split` cuts the
+    variable: for each of `num_pieces` flat pieces of `length` elements, the slices of its elements
+    (one per element of each row slice, indices within the piece). Keras' optimizers then apply
+    each piece's slices as they apply the whole gradient's (Adam squares each slice before the
+    duplicates add up), so the pieces' update equals the whole one."""
+    row = 1
+    for size in shape[1:]:
+        row *= int(size)
+    values = tf.reshape(value.values, [-1])
+    indices = tf.reshape(tf.cast(value.indices, tf.int64)[:, None] * row + tf.range(row, dtype=tf.int64)[None, :], [-1])
+    pieces = []
+    for i in range(num_pieces):
+        inside = (indices >= i * length) & (indices < (i + 1) * length)
+        pieces.append(tf.IndexedSlices(tf.boolean_mask(values, inside), tf.boolean_mask(indices, inside) - i * length,
+                                       tf.constant([length], tf.int64)))
+    return pieces
