@@ -16,6 +16,7 @@ import pytest
 
 import keras_strategies as ks
 from mw_launch import PROGRAMS, run_together
+from test_multi_worker_training import _load, _weights
 
 sys.path.insert(0, PROGRAMS)
 from common import GLOBAL_BATCH, adam, build_model, data, keras_run  # noqa: E402
@@ -31,16 +32,6 @@ def run(request, tmp_path_factory):
         out = run_together(("sharded.py",), request.param, tmp_path_factory)
         _runs[request.param] = out, request.param, [np.load(out / f"sharded_worker_{i}.npz") for i in range(2)]
     return _runs[request.param]
-
-
-def _load(path):
-    archive = np.load(path)
-    return [archive[f"arr_{i}"] for i in range(len(archive.files))]
-
-
-def _weights(results, key):
-    names = sorted((k for k in results.files if k.startswith(key + "_")), key=lambda k: int(k.rsplit("_", 1)[1]))
-    return [results[k] for k in names]
 
 
 def _assert_close(got, expected):

@@ -127,6 +127,11 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     `donated` is accepted for the engines' common interface: JAX arrays are
     immutable, and the program writes its own outputs.
     """
+    return _run_across_workers(_sum_program, values)
+
+
+def _run_across_workers(make_program: Callable, values: list) -> list:
+    """`make_program(shapes, dtypes)` run on `values` as this worker's blocks (eager only)."""
     if tracing():
         raise NotImplementedError(
             "Cross-worker collectives cannot run inside a compiled JAX function: call them "
@@ -136,7 +141,7 @@ def all_reduce_sum(values: list, donated: Any = False) -> list:
     local = [v if isinstance(v, jax.Array) and v.devices() == {device} else jax.device_put(v, device) for v in values]
     shapes = tuple(tuple(a.shape) for a in local)
     global_arrays = [_worker_block(a if a.ndim else jnp.reshape(a, (1,))) for a in local]
-    program = _sum_program(shapes, tuple(a.dtype for a in local))
+    program = make_program(shapes, tuple(a.dtype for a in local))
     # Wait for the result: the CPU runtime may run independent programs concurrently, and
     # collectives must run in the same order on every worker (and the watchdog must see them).
     return jax.block_until_ready([out.addressable_data(0) for out in program(*global_arrays)])
@@ -159,15 +164,7 @@ def _gather_program(shapes: tuple, dtypes: tuple) -> Callable:
 def all_gather(values: list) -> list:
     """Each of `values` from every worker, stacked in worker order: `(num_workers, *shape)`; one
     compiled all-gather (eager only, as `all_reduce_sum`)."""
-    if tracing():
-        raise NotImplementedError("Cross-worker collectives cannot run inside a compiled JAX function: call them "
-                                  "eagerly.")
-    device = _state["device"]
-    local = [v if isinstance(v, jax.Array) and v.devices() == {device} else jax.device_put(v, device) for v in values]
-    shapes = tuple(tuple(a.shape) for a in local)
-    global_arrays = [_worker_block(a if a.ndim else jnp.reshape(a, (1,))) for a in local]
-    program = _gather_program(shapes, tuple(a.dtype for a in local))
-    return jax.block_until_ready([out.addressable_data(0) for out in program(*global_arrays)])
+    return _run_across_workers(_gather_program, values)
 
 
 def start_all_reduce_sum(values: list, donated: Any = False) -> pending.Finished:
