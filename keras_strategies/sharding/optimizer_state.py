@@ -203,30 +203,12 @@ class ShardedOptimizerState:
         """One update with every replica's own gradients (`per_replica[r][j]`, on replica r's device),
         reduce-scattered (`gradient_pieces`): each device sums its piece of every replica's
         gradients, unscaled and clipped in pieces."""
-        if any(engine.gradients.is_sliced(g) for row in per_replica for g in row if g is not None):
-            return self.apply(self._summed_on_host(per_replica))
         present = tuple(j for j, g in enumerate(per_replica[0]) if g is not None)
         n = len(self.devices)
         self.gradient_bytes = [sum(flat_shards.piece_length(self.variables[j].shape, n) * _itemsize(self.variables[j])
                                    for j in present)] * n
         self._run(("replicas", present), self._apply_replicas, [[row[j] for j in present] for row in per_replica],
                   present)
-
-    def _summed_on_host(self, per_replica: list) -> list:
-        """The replicas' gradients summed whole on the host device, slices kept as slices (their
-        sum holds every replica's, as TensorFlow sums them): where some are sliced (an Embedding's
-        on TensorFlow), stage 2 sums them as stage 1 does, whose pieces take slices."""
-        summed = []
-        for parts in zip(*per_replica):
-            if parts[0] is None:
-                summed.append(None)
-                continue
-            placed = engine.devices.place_each(list(parts), [self.host] * len(parts))
-            total = placed[0]
-            for part in placed[1:]:
-                total = engine.gradients.add(total, part)
-            summed.append(total)
-        return summed
 
     def _run(self, key: tuple, update: Any, grads: Any, present: tuple) -> None:
         # Cross-worker collectives run eagerly, between the compiled parts.

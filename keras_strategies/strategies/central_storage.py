@@ -29,15 +29,15 @@ class CentralStorageExtended(MirroredExtended):
         return self._parameter_device
 
 
-def refuse_a_cluster(strategy_name: str = "CentralStorageStrategy",
-                     instead: str = "ks.MultiWorkerMirroredStrategy or ks.ParameterServerStrategy") -> None:
-    """Refuses a TF_CONFIG cluster of several tasks for a strategy of one machine."""
+def refuse_a_cluster() -> None:
+    """Refuses a TF_CONFIG cluster of several tasks: the strategy is one machine's."""
     spec = TFConfigClusterResolver().cluster_spec()
     tasks = sum(spec.num_tasks(job) for job in spec.jobs if job != "evaluator")
     if tasks > 1:
         raise ValueError(
-            f"{strategy_name} trains on one machine, but TF_CONFIG describes a cluster of {tasks} "
-            f"tasks ({spec.as_dict()}). Use {instead} for several machines, or unset TF_CONFIG."
+            f"CentralStorageStrategy trains on one machine, but TF_CONFIG describes a cluster of {tasks} "
+            f"tasks ({spec.as_dict()}). Use ks.MultiWorkerMirroredStrategy or ks.ParameterServerStrategy "
+            "for several machines, or unset TF_CONFIG."
         )
 
 

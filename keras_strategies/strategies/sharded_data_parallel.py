@@ -93,10 +93,24 @@ class ShardedUpdates:
             # `apply_gradients` inside `run` at stage 2: each replica's own gradients.
             grads = ReplicaGradients([[g.values[r] if isinstance(g, PerReplica) else g for g in grads]
                                       for r in range(len(self._devices))])
-        if isinstance(grads, ReplicaGradients):
-            state.apply_per_replica(grads.per_replica)
-        else:
+        if not isinstance(grads, ReplicaGradients):
             state.apply(grads)
+        elif any(engine.gradients.is_sliced(g) for row in grads.per_replica for g in row if g is not None):
+            # An Embedding's gradient on TensorFlow: summed whole with its slices kept, as at stage 1,
+            # whose pieces take slices.
+            state.apply(self._summed_whole(grads.per_replica))
+        else:
+            state.apply_per_replica(grads.per_replica)
+
+    def _summed_whole(self, per_replica: list) -> list:
+        """The replicas' gradients summed onto the variables' device as the strategy sums them
+        below stage 2 (`None` kept where a variable has no gradient)."""
+        present = [j for j, g in enumerate(per_replica[0]) if g is not None]
+        summed = super()._sum_gradients([[row[j] for j in present] for row in per_replica], self._variable_device)
+        whole: list = [None] * len(per_replica[0])
+        for j, total in zip(present, summed):
+            whole[j] = total
+        return whole
 
     def optimizer_state(self, optimizer: Any) -> Optional[optimizer_state.ShardedOptimizerState]:
         """`optimizer`'s state split over the devices (its pieces and their bytes), once it has updated."""
@@ -134,8 +148,9 @@ class MultiWorkerShardedExtended(ShardedUpdates, MultiWorkerMirroredExtended):
             return
         state = self._state_for(optimizer, variables)
         if self._broadcast_from_chief(1 if state.loaded_here is not None else 0):
-            mine = state.loaded_here if self._cluster.is_chief else state.whole_zeros()
-            chiefs = self._cross_worker_sum([np.asarray(v, z.dtype) for v, z in zip(mine, state.whole_zeros())],
+            zeros = state.whole_zeros()
+            mine = state.loaded_here if self._cluster.is_chief else zeros
+            chiefs = self._cross_worker_sum([np.asarray(v, z.dtype) for v, z in zip(mine, zeros)],
                                             "broadcast of the chief's optimizer state")
             state.load([np.asarray(keras.ops.convert_to_numpy(v)) for v in chiefs])
         state.loaded_here = None

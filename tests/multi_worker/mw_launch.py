@@ -63,6 +63,22 @@ def run_together(program, devices_per_worker, tmp_path_factory):
     return outs[program]
 
 
+_results: dict = {}
+
+
+def worker_results(program, devices_per_worker, tmp_path_factory, results_file):
+    """`(out, devices_per_worker, [worker 0's npz, worker 1's npz])` of `program` run together
+    (`run_together`), where each worker saved `results_file` (with `{worker}` for its index); loaded
+    once per test run."""
+    import numpy as np
+
+    key = (program, devices_per_worker)
+    if key not in _results:
+        out = run_together(program, devices_per_worker, tmp_path_factory)
+        _results[key] = out, devices_per_worker, [np.load(out / results_file.format(worker=i)) for i in range(2)]
+    return _results[key]
+
+
 def check(run):
     """Fails the test with the workers' output unless every worker exited 0."""
     import pytest

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import keras_strategies as ks
-from mw_launch import PROGRAMS, run_together
+from mw_launch import PROGRAMS, worker_results
 from test_multi_worker_training import _load, _weights
 
 sys.path.insert(0, PROGRAMS)
@@ -23,15 +23,9 @@ from common import GLOBAL_BATCH, adam, build_model, data, keras_run  # noqa: E40
 from reference_loops import average_loss, split, squared_error, train  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-_runs: dict = {}
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["2x1", "2x2"])
 def run(request, tmp_path_factory):
-    if request.param not in _runs:
-        out = run_together(("sharded.py",), request.param, tmp_path_factory)
-        _runs[request.param] = out, request.param, [np.load(out / f"sharded_worker_{i}.npz") for i in range(2)]
-    return _runs[request.param]
+    return worker_results(("sharded.py",), request.param, tmp_path_factory, "sharded_worker_{worker}.npz")
 
 
 def _assert_close(got, expected):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mw_launch
-from mw_launch import PROGRAMS, run_together
+from mw_launch import PROGRAMS, run_together, worker_results
 
 sys.path.insert(0, PROGRAMS)
 from common import (  # noqa: E402
@@ -37,17 +37,11 @@ def _weights(results, key):
     return [results[k] for k in sorted((k for k in results.files if k.startswith(key + "_")), key=lambda k: int(k.rsplit("_", 1)[1]))]
 
 
-_runs: dict = {}
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["2x1", "2x2"])
 def run(request, tmp_path_factory):
     # Tests that check one configuration only parametrize `run` themselves, which makes pytest
     # set the fixture up again: each configuration's program still runs once.
-    if request.param not in _runs:
-        out = run_together(("train.py",), request.param, tmp_path_factory)
-        _runs[request.param] = out, request.param, [np.load(out / f"worker_{i}.npz") for i in range(2)]
-    return _runs[request.param]
+    return worker_results(("train.py",), request.param, tmp_path_factory, "worker_{worker}.npz")
 
 
 def test_every_worker_holds_identical_weights(run):
