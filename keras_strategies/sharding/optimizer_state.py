@@ -451,7 +451,11 @@ def state_for(optimizer: Any, variables: Sequence[Any], devices: Sequence[str], 
 
 def shards_state(optimizer: Any) -> bool:
     """Whether `optimizer`'s state is (or will be) split over devices: its strategy shards it."""
-    strategy = context.strategy_of(getattr(optimizer, "iterations", None)) or context.get_strategy()
+    return strategy_shards_state(context.strategy_of(getattr(optimizer, "iterations", None)) or context.get_strategy())
+
+
+def strategy_shards_state(strategy: Any) -> bool:
+    """Whether `strategy` splits an optimizer's state over its replicas."""
     return bool(getattr(strategy.extended, "_shards_optimizer_state", False)) and strategy.num_replicas_in_sync > 1
 
 
