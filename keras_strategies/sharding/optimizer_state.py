@@ -225,7 +225,7 @@ class ShardedOptimizerState:
     def _apply_whole(self, grads: list, present: tuple) -> None:
         cut_variables, cut_grads = self._part("cut", present, self._cut)([self.variables[j].value for j in present],
                                                                           grads)
-        self._update(cut_variables, [self._on(i, cut_grads[i]) for i in range(len(self.devices))], present)
+        self._update(cut_variables, cut_grads, present, grads_elsewhere=True)
 
     def _apply_replicas(self, grads: list, present: tuple) -> None:
         n, k, host = len(self.devices), len(present), self.host
@@ -240,11 +240,11 @@ class ShardedOptimizerState:
                 cut.append(split(grads[r]))
         squares_needed = gradient_pieces.clipping(self.optimizer) in ("norm", "global")
         pieces, squares = [], []
+        incoming = self._on_each([[cut[r][i][position] for r in range(n) for position in range(k)] for i in range(n)])
         for i, device in enumerate(self.devices):
-            incoming = self._on(i, [cut[r][i][position] for r in range(n) for position in range(k)])
             reduce = self._part(f"reduce-{i}", present, lambda values: self._reduce(values, n, k, squares_needed))
             with engine.devices.device_scope(device):
-                summed_i, squares_i = reduce(incoming)
+                summed_i, squares_i = reduce(incoming[i])
             pieces.append(summed_i)
             squares.append(squares_i)
         factors = None
@@ -300,25 +300,41 @@ class ShardedOptimizerState:
         # (Clipping may have made a sliced one dense, of a shape known only when it runs.)
         return flat_shards.split(ops.reshape(ops.convert_to_tensor(grad), shape), n)
 
-    def _on(self, i: int, values: list) -> list:
-        return engine.devices.place_each(list(values), [self.devices[i]] * len(values))
+    def _on_each(self, per_device: list) -> list:
+        """`per_device[i]` (a list of values) on device i, for every device: one batched transfer."""
+        values = [value for values in per_device for value in values]
+        placed = engine.devices.place_each(values, [device for device, values in zip(self.devices, per_device)
+                                                    for _ in values])
+        out, start = [], 0
+        for values in per_device:
+            out.append(placed[start:start + len(values)])
+            start += len(values)
+        return out
 
     def _update(self, cut_variables: list, grads: list, present: tuple, factors: Optional[list] = None,
-                clip: bool = False) -> None:
-        """Each device updates its pieces (`grads[i]`: its gradient pieces, there, clipped first with
-        `factors` when `clip`); the pieces are gathered into the variables."""
+                clip: bool = False, grads_elsewhere: bool = False) -> None:
+        """Each device updates its pieces (`grads[i]`: its gradient pieces, there unless
+        `grads_elsewhere`, clipped first with `factors` when `clip`); the pieces are gathered into
+        the variables."""
         optimizer, host = self.optimizer, self.host
         scalars = [optimizer.iterations.value]
         if not callable(optimizer._learning_rate):
             scalars.append(optimizer._learning_rate.value)
         factors = list(factors or [])
+        k = len(present)
+        # One transfer of everything the devices take: their variable pieces, the step's scalars
+        # (and clipping factors) and, from the host, their gradient pieces.
+        inputs = self._on_each([[*cut_variables[i], *scalars, *factors, *(grads[i] if grads_elsewhere else ())]
+                                for i in range(len(self.devices))])
         for i, (device, copy, pieces) in enumerate(zip(self.devices, self.optimizers, self.pieces)):
-            on_device = self._on(i, [*cut_variables[i], *scalars, *factors])
+            on_device = inputs[i]
+            extra = len(scalars) + len(factors)
+            grads_i = on_device[k + extra:] if grads_elsewhere else grads[i]
             own = [pieces[j] for j in present]
             step = self._part(f"update-{i}-{clip}", present, self._device_update(copy, own, len(scalars), clip),
                               [*own, *copy.variables])
             with engine.devices.device_scope(device):
-                step(on_device[:len(own)], grads[i], on_device[len(own):])
+                step(on_device[:k], grads_i, on_device[k:k + extra])
         gathered = engine.devices.place_each([pieces[j].value for pieces in self.pieces for j in present],
                                              [host] * (len(present) * len(self.pieces)))
         gathered = self._from_every_worker(gathered)
