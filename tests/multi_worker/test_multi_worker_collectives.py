@@ -17,7 +17,9 @@ import pytest
 from mw_launch import PROGRAMS, run_together
 
 sys.path.insert(0, PROGRAMS)
-from common import GLOBAL_BATCH, WIDE, build_model, build_wide_model, collective_values, data, keras_run, wide_data  # noqa: E402
+from common import (  # noqa: E402
+    GLOBAL_BATCH, WIDE, build_model, build_wide_model, collective_values, data, keras_run, scatter_values, wide_data,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,17 @@ def test_all_gather_stacks_every_workers_values_in_worker_order(results):
             got = worker[f"gathered_{i}"]
             assert got.shape == (2, *first.shape) and got.dtype == first.dtype, i
             np.testing.assert_array_equal(got, np.stack([first, second]))
+
+
+def test_reduce_scatter_gives_each_worker_its_row_summed(results):
+    _, workers = results
+    for w, worker in enumerate(workers):
+        for i, (first, second) in enumerate(zip(scatter_values(0), scatter_values(1))):
+            expected = first[w] + second[w]
+            for k in range(2):
+                got = worker[f"scattered_{k}_{i}"]
+                assert got.shape == expected.shape and got.dtype == expected.dtype, (i, k)
+                np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_results_held_by_the_caller_survive_later_sums(results):

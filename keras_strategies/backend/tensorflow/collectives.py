@@ -73,6 +73,7 @@ def initialize(cluster: Any, options: Any) -> None:
     _state["eager_fn"] = tf.function(_packed_all_reduce, reduce_retracing=True)
     _state["gather_programs"] = {}  # signature -> its compiled all-gather (`all_gather`)
     _state["num_workers"] = cluster.num_workers
+    _state["worker_index"] = cluster.worker_index
     # The eager programs' collectives take the launcher's settings.
     _state["hint"] = tf_options.implementation.value.lower()
     _state["timeout"] = float(tf_options.timeout_seconds)
@@ -245,6 +246,54 @@ def all_gather(values: list) -> list:
         else:
             gathered = _all_gather_in_graph(tensors)
     return [value if value.dtype == dtype else tf.cast(value, dtype) for value, dtype in zip(gathered, dtypes)]
+
+
+def _reduce_scatter_with_keys(tensors: list, first_key: int) -> list:
+    """One collective sum per dtype, with instance keys `first_key + dtype index`, of the values
+    packed `(num_workers, -1)` side by side (row w of the pack is every value's row w): this
+    worker's summed row of each value. Empty packs are not sent, as in `_all_gather_in_graph`.
+
+    TF's `CollectiveReduceScatterV2` has no CPU implementation ("CollectiveRegistry::Lookup did
+    not find collective implementation"), so the pack is all-reduced (`CollectiveReduceV2`) and
+    this worker keeps its row: the same sums, with the whole pack sent."""
+    workers, row = _state["num_workers"], _state["worker_index"]
+    outputs: list = [None] * len(tensors)
+    for index, group in enumerate(packing.group_by_dtype(tensors)):
+        sizes = [tensors[i].shape[1:].num_elements() for i in group]
+        if sum(sizes):
+            pack = tf.concat([tf.reshape(tensors[i], [workers, size]) for i, size in zip(group, sizes)], 1)
+            summed = tf.raw_ops.CollectiveReduceV2(
+                input=pack, group_size=workers, group_key=EAGER_GROUP_KEY,
+                instance_key=first_key + index, ordering_token=[], merge_op="Add", final_op="Id",
+                communication_hint=_state["hint"], timeout_seconds=_state["timeout"],
+            )
+            parts = tf.split(summed[row], sizes)
+        else:
+            parts = [tf.zeros([0], tensors[i].dtype) for i in group]
+        for i, part in zip(group, parts):
+            outputs[i] = tf.reshape(part, tensors[i].shape[1:])
+    return outputs
+
+
+def reduce_scatter_sum(values: list) -> list:
+    """This worker's row of each of `values` (`(num_workers, *shape)`), summed over the workers.
+
+    TF's collective sum, one per dtype (see `_reduce_scatter_with_keys`), in one compiled program per
+    exact signature with a block of instance keys of its own (handed out in the
+    order the signatures first appear, the same on every worker, as for the
+    all-reduce's keyed programs); half floats travel as float32 (exact).
+    """
+    with tf.device(_state["device"]):
+        tensors = [tf.convert_to_tensor(v) for v in values]
+        dtypes = [t.dtype for t in tensors]
+        tensors = [tf.cast(t, tf.float32) if t.dtype in _HALF_FLOATS else t for t in tensors]
+        signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        programs = _state.setdefault("scatter_programs", {})
+        if signature not in programs:
+            programs[signature] = tf.function(functools.partial(_reduce_scatter_with_keys, first_key=_state["next_key"]))
+            _state["next_key"] += len(tensors)
+        summed = programs[signature](tensors)
+    return [value if value.dtype == dtype else tf.cast(value, dtype) for value, dtype in zip(summed, dtypes)]
 
 
 def kv_set(key: str, value: str) -> None:

@@ -7,6 +7,7 @@ the `TCPStore` rendezvous, which also carries our heartbeats.
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -199,6 +200,29 @@ def all_gather(values: list) -> list:
             size = tensors[i].numel()
             outputs[i] = stacked[:, offset:offset + size].reshape((workers, *originals[i].shape))
             offset += size
+    return [out.to(original.device) for out, original in zip(outputs, originals)]
+
+
+def reduce_scatter_sum(values: list) -> list:
+    """This worker's row of each of `values` (`(num_workers, *shape)`), summed over the workers.
+
+    One gloo reduce-scatter per dtype, of the values packed `(num_workers, -1)`
+    side by side (the same shapes and dtypes on every worker).
+    """
+    originals = [_as_torch(v) for v in values]
+    workers = dist.get_world_size()
+    sizes = [math.prod(tuple(t.shape[1:])) for t in originals]
+    tensors = [t.detach().cpu().reshape(workers, size) for t, size in zip(originals, sizes)]
+    outputs: list = [None] * len(tensors)
+    for group in packing.group_by_dtype(tensors):
+        pack = torch.cat([tensors[i] for i in group], dim=1).contiguous()
+        mine = torch.zeros(pack.shape[1], dtype=pack.dtype)
+        if pack.shape[1]:  # nothing sent for empty values
+            dist.reduce_scatter(mine, list(pack.unbind(0)))
+        offset = 0
+        for i in group:
+            outputs[i] = mine[offset:offset + sizes[i]].reshape(tuple(originals[i].shape[1:]))
+            offset += sizes[i]
     return [out.to(original.device) for out, original in zip(outputs, originals)]
 
 

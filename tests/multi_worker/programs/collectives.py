@@ -22,7 +22,8 @@ from keras import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    GLOBAL_BATCH, build_model, build_own_steps_model, build_wide_model, collective_values, data, keras_run, wide_data,
+    GLOBAL_BATCH, build_model, build_own_steps_model, build_wide_model, collective_values, data, keras_run,
+    scatter_values, wide_data,
 )
 
 out = sys.argv[1]
@@ -115,6 +116,13 @@ for i, value in enumerate(kept):
 gathered = engine.collectives.all_gather([ops.convert_to_tensor(v) for v in collective_values(task_id)])
 for i, value in enumerate(gathered):
     results[f"gathered_{i}"] = ops.convert_to_numpy(value)
+
+# Reduce-scattered: this worker's row of every worker's values, summed (twice: a signature seen
+# before takes its compiled program again).
+for k in range(2):
+    scattered = engine.collectives.reduce_scatter_sum([ops.convert_to_tensor(v) for v in scatter_values(task_id)])
+    for i, value in enumerate(scattered):
+        results[f"scattered_{k}_{i}"] = ops.convert_to_numpy(value)
 
 # Results held while more sums of the same shapes run (the engines may reuse their
 # buffers, but never under a live result): the first results must not change.

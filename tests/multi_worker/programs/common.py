@@ -364,6 +364,11 @@ def collective_values(worker):
     ]
 
 
+def scatter_values(worker):
+    """What worker `worker` reduce-scatters: each of `collective_values` as two rows, one per worker."""
+    return [np.stack([value * (worker + 1), value - worker]) for value in collective_values(worker)]
+
+
 PREEMPTION_STEPS = 8  # the custom loop of the preemption test: 2 passes over the 4 batches of `data()`
 
 
