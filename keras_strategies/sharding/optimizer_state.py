@@ -101,11 +101,15 @@ def _numpy(value: Any) -> np.ndarray:
 class PieceLayout:
     """Which pieces this process's devices hold: `num_pieces` in all (every replica of every worker),
     this process's from `first` on, one per local device; `across_workers` all-gathers a list of
-    local arrays from every worker (stacked in worker order), None in one process."""
+    local arrays from every worker (stacked in worker order), `scattered_across_workers`
+    reduce-scatters arrays `(num_workers, ...)` (this worker's row summed over the workers) and
+    `summed_across_workers` all-reduces; all None in one process."""
 
     num_pieces: int
     first: int = 0
     across_workers: Optional[Callable[[list], list]] = None
+    scattered_across_workers: Optional[Callable[[list], list]] = None
+    summed_across_workers: Optional[Callable[[list], list]] = None
 
 
 class ShardedOptimizerState:
@@ -204,9 +208,9 @@ class ShardedOptimizerState:
         reduce-scattered (`gradient_pieces`): each device sums its piece of every replica's
         gradients, unscaled and clipped in pieces."""
         present = tuple(j for j, g in enumerate(per_replica[0]) if g is not None)
-        n = len(self.devices)
+        n = self.layout.num_pieces
         self.gradient_bytes = [sum(flat_shards.piece_length(self.variables[j].shape, n) * _itemsize(self.variables[j])
-                                   for j in present)] * n
+                                   for j in present)] * len(self.devices)
         self._run(("replicas", present), self._apply_replicas, [[row[j] for j in present] for row in per_replica],
                   present)
 
@@ -228,46 +232,74 @@ class ShardedOptimizerState:
         self._update(cut_variables, cut_grads, present, grads_elsewhere=True)
 
     def _apply_replicas(self, grads: list, present: tuple) -> None:
-        n, k, host = len(self.devices), len(present), self.host
+        local, k, host = len(self.devices), len(present), self.host
+        n = self.layout.num_pieces
+        workers = n // local
         shapes = [tuple(self.variables[j].shape) for j in present]  # also of sliced gradients, made dense
-        cut = []  # cut[r][i]: replica r's pieces for device i, one per variable
+        # cut[r][i]: replica r's pieces for local device i, of every worker's device i (piece
+        # w * local + i of worker w), worker-major, one per variable.
+        cut = []
         for r, device in enumerate(self.devices):
             split = self._part(f"split-{r}", present, lambda values: [
-                [piece[i] for piece in (flat_shards.split(ops.reshape(ops.convert_to_tensor(g), shape), n)
-                                        for g, shape in zip(values, shapes))]
-                for i in range(n)])
+                [pieces[w * local + i] for w in range(workers)
+                 for pieces in (flat_shards.split(ops.reshape(ops.convert_to_tensor(g), shape), n)
+                                for g, shape in zip(values, shapes))]
+                for i in range(local)])
             with engine.devices.device_scope(device):
                 cut.append(split(grads[r]))
         squares_needed = gradient_pieces.clipping(self.optimizer) in ("norm", "global")
-        pieces, squares = [], []
-        incoming = self._on_each([[cut[r][i][position] for r in range(n) for position in range(k)] for i in range(n)])
+        width = workers * k  # the pieces device i sums over its worker's replicas
+        incoming = self._on_each([[cut[r][i][position] for r in range(local) for position in range(width)]
+                                  for i in range(local)])
+        sums = []
         for i, device in enumerate(self.devices):
-            reduce = self._part(f"reduce-{i}", present, lambda values: self._reduce(values, n, k, squares_needed))
+            reduce = self._part(f"reduce-{i}", present, lambda values: self._reduce(values, local, width))
             with engine.devices.device_scope(device):
-                summed_i, squares_i = reduce(incoming[i])
-            pieces.append(summed_i)
-            squares.append(squares_i)
+                sums.append(reduce(incoming[i]))
+        pieces = sums if workers == 1 else self._scattered(sums, k)
+        squares = []
+        if squares_needed:
+            for i, device in enumerate(self.devices):
+                square = self._part(f"squares-{i}", present, lambda values: [ops.sum(ops.square(p)) for p in values])
+                with engine.devices.device_scope(device):
+                    squares.append(square(pieces[i]))
         factors = None
         if squares_needed:
-            on_host = engine.devices.place_each([s for row in squares for s in row], [host] * (n * k))
+            on_host = engine.devices.place_each([s for row in squares for s in row], [host] * (local * k))
+            if self.layout.summed_across_workers is not None:  # every worker's devices' sums
+                on_host = engine.devices.place_each(self.layout.summed_across_workers(
+                    [gradient_pieces.summed([on_host[i * k + position] for i in range(local)]) for position in range(k)]),
+                    [host] * k)
+                rows = 1
+            else:
+                rows = local
             combine = self._part("clip-factors", present, lambda values: gradient_pieces.clip_factors(
-                self.optimizer, [gradient_pieces.summed([values[i * k + position] for i in range(n)])
+                self.optimizer, [gradient_pieces.summed([values[i * k + position] for i in range(rows)])
                                  for position in range(k)]))
             with engine.devices.device_scope(host):
                 factors = combine(on_host)
         cut_variables, _ = self._part("cut", present, self._cut)([self.variables[j].value for j in present], None)
         self._update(cut_variables, pieces, present, factors, clip=True)
 
-    def _reduce(self, incoming: list, n: int, k: int, squares_needed: bool) -> tuple:
-        """On device i: its piece of each variable's summed gradient (unscaled), and the sums of their
-        squared elements where clipping needs norms."""
+    def _scattered(self, sums: list, k: int) -> list:
+        """Each local device's own pieces summed over every worker (`sums[i]`: device i's sums over
+        its worker's replicas of the pieces of every worker's device i, worker-major): one
+        reduce-scatter across the workers, its results on their devices."""
+        workers = len(sums[0]) // k
+        with engine.devices.device_scope(self.host):
+            stacked = [ops.stack([engine.devices.copy_to(sums[i][w * k + position], self.host) for w in range(workers)])
+                       for i in range(len(self.devices)) for position in range(k)]
+        own = self.layout.scattered_across_workers(stacked)
+        return self._on_each([[own[i * k + position] for position in range(k)] for i in range(len(self.devices))])
+
+    def _reduce(self, incoming: list, n: int, width: int) -> list:
+        """On device i: each of its `width` pieces summed over the `n` replicas, unscaled."""
         scale = self.optimizer.loss_scale_factor
         pieces = []
-        for position in range(k):
-            total = gradient_pieces.summed([incoming[r * k + position] for r in range(n)])
+        for position in range(width):
+            total = gradient_pieces.summed([incoming[r * width + position] for r in range(n)])
             pieces.append(total if scale is None else total / scale)
-        squares = [ops.sum(ops.square(piece)) for piece in pieces] if squares_needed else []
-        return pieces, squares
+        return pieces
 
     def _part(self, name: str, present: tuple, fn: Any, state: Sequence[Any] = ()) -> Any:
         """`fn` compiled (once per `name`, variables with gradients and device) as one program."""

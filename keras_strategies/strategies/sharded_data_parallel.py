@@ -81,7 +81,7 @@ class ShardedUpdates:
         return super()._custom_steps_untraceable()
 
     def _sum_gradients(self, per_replica: list, destination: str) -> Any:
-        if self._stage < 2 or len(self._devices) == 1:
+        if self._stage < 2 or not self._sharded():
             return super()._sum_gradients(per_replica, destination)
         return ReplicaGradients(per_replica)  # reduce-scattered by the update
 
@@ -93,6 +93,9 @@ class ShardedUpdates:
             # `apply_gradients` inside `run` at stage 2: each replica's own gradients.
             grads = ReplicaGradients([[g.values[r] if isinstance(g, PerReplica) else g for g in grads]
                                       for r in range(len(self._devices))])
+        elif not isinstance(grads, ReplicaGradients) and self._stage >= 2 and len(self._devices) == 1:
+            # The same on a worker of one device: its one replica's own gradients, as they are.
+            grads = ReplicaGradients([list(grads)])
         if not isinstance(grads, ReplicaGradients):
             state.apply(grads)
         elif any(engine.gradients.is_sliced(g) for row in grads.per_replica for g in row if g is not None):
@@ -106,11 +109,16 @@ class ShardedUpdates:
         """The replicas' gradients summed onto the variables' device as the strategy sums them
         below stage 2 (`None` kept where a variable has no gradient)."""
         present = [j for j, g in enumerate(per_replica[0]) if g is not None]
-        summed = super()._sum_gradients([[row[j] for j in present] for row in per_replica], self._variable_device)
+        summed = self._summed_over_workers(
+            super()._sum_gradients([[row[j] for j in present] for row in per_replica], self._variable_device))
         whole: list = [None] * len(per_replica[0])
         for j, total in zip(present, summed):
             whole[j] = total
         return whole
+
+    def _summed_over_workers(self, values: list) -> list:
+        """`values` (this process's sums) summed over every worker; as they are in one process."""
+        return values
 
     def optimizer_state(self, optimizer: Any) -> Optional[optimizer_state.ShardedOptimizerState]:
         """`optimizer`'s state split over the devices (its pieces and their bytes), once it has updated."""
@@ -138,7 +146,8 @@ class MultiWorkerShardedExtended(ShardedUpdates, MultiWorkerMirroredExtended):
     def _piece_layout(self) -> optimizer_state.PieceLayout:
         local = len(self._devices)
         return optimizer_state.PieceLayout(self.num_replicas_in_sync, self._cluster.worker_index * local,
-                                           self._pieces_of_every_worker)
+                                           self._pieces_of_every_worker, self._pieces_summed_over_workers,
+                                           lambda values: self._cross_worker_sum(values, "sum of gradient norms"))
 
     def _sync_optimizer_state_from_chief(self, optimizer: Any, variables: Sequence[Any]) -> None:
         """At the start of `fit`, after BackupAndRestore may have restored the chief's backup into
@@ -154,6 +163,16 @@ class MultiWorkerShardedExtended(ShardedUpdates, MultiWorkerMirroredExtended):
                                             "broadcast of the chief's optimizer state")
             state.load([np.asarray(keras.ops.convert_to_numpy(v)) for v in chiefs])
         state.loaded_here = None
+
+    def _summed_over_workers(self, values: list) -> list:
+        return self._cross_worker_sum(list(values), "gradient all-reduce")
+
+    def _pieces_summed_over_workers(self, values: list) -> list:
+        """This worker's row of each of `values` (`(num_workers, ...)`) summed over every worker: the
+        reduce-scatter of stage 2's gradient pieces, under the watchdog (eager, between the update's
+        compiled parts)."""
+        return self._run_watched("reduce-scatter of the gradient pieces",
+                                 lambda: engine.collectives.reduce_scatter_sum(values))
 
     def _pieces_of_every_worker(self, values: list) -> list:
         """`values` of every worker, stacked in worker order, under the watchdog (a lost worker is named)."""
@@ -180,13 +199,14 @@ class ShardedDataParallelStrategy(Strategy):
     torchrun's, a SLURM step's or mpirun's variables), or a `cluster_resolver`
     is given, the replicas are every local device of every worker, as under
     `ks.MultiWorkerMirroredStrategy`: each worker keeps the state of its
-    replicas' pieces, and the workers all-gather the updated pieces.
+    replicas' pieces, and the workers all-gather the updated pieces (at stage
+    2 the workers reduce-scatter their replicas' summed gradient pieces first).
 
     Args:
         devices: Device names of this process's replicas; `None` means every
             local accelerator, or every (virtual) CPU device when there is none.
         stage: The ZeRO stage: 1, the optimizer state sharded; 2, the summed
-            gradients too (one machine).
+            gradients too (reduce-scattered over every replica of every worker).
         cluster_resolver: Where a cluster and this worker's role come from, as
             for `ks.MultiWorkerMirroredStrategy`; `None` reads the launcher's
             environment (one machine without one).
@@ -217,11 +237,6 @@ class ShardedDataParallelStrategy(Strategy):
         self._cluster_resolver = cluster_resolver if cluster_resolver is not None else resolver_from_environment()
         cluster = resolve(self._cluster_resolver)
         if cluster.num_workers > 1:
-            if stage >= 2:
-                raise ValueError(
-                    f"ShardedDataParallelStrategy shards the summed gradients (stage {stage}) on one machine; in a "
-                    f"cluster of {cluster.num_workers} workers it implements stage 1 (the optimizer state sharded "
-                    "over every replica of every worker). Use stage=1.")
             options = check_communication_options(communication_options)
             super().__init__(MultiWorkerShardedExtended(self, cluster, options, devices, stage))
             return

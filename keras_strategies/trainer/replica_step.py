@@ -320,8 +320,10 @@ class ReplicaStep:
 
     def _overlaps_backward(self) -> bool:
         """Whether train steps send across workers during the backward pass: several workers, one
-        local replica, and an engine that reports gradients as its backward pass computes them."""
-        return self.num_workers > 1 and len(self.devices) == 1 and engine.capabilities.overlaps_backward
+        local replica, an engine that reports gradients as its backward pass computes them, and a
+        strategy whose update takes the gradients summed (not each replica's own, to reduce-scatter)."""
+        return (self.num_workers > 1 and len(self.devices) == 1 and engine.capabilities.overlaps_backward
+                and not self.strategy.extended._sums_gradients_in_update)
 
     def _overlapped_run(self, shards: Shards, loss_scale: float, full_batch: bool, stop_asked: bool) -> Any:
         """The replica and the exchange of `train_step`, the exchange running during the backward

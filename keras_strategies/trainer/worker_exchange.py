@@ -73,7 +73,10 @@ class WorkerExchange:
         exchange = cross_worker.Exchange(self.strategy.extended._start_cross_worker_sum)
         # The stop flag rides with the fingerprint: no extra operand (on JAX, one gloo call each).
         exchange.add("check", [cross_worker.batch_check(shards, stop_asked)])
-        exchange.add("grads", grads, donated=True)
+        # Gradients the strategy reduces across the workers in its update (reduce-scattered, at
+        # ShardedDataParallelStrategy's stage 2) go to it as they are.
+        own_gradients = None if isinstance(grads, (list, tuple)) else grads
+        exchange.add("grads", [] if own_gradients is not None else grads, donated=True)
         exchange.add("loss", [] if loss is None else [loss], donated=True)
         local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
         buffers, targets = self._add_rows(exchange, shards, local_parts, predictions[0])
@@ -86,6 +89,7 @@ class WorkerExchange:
             exchange.start(what)
         exact = not (grads or training) and loss is None  # predict: the outputs must line up with the input
         return dict(exchange=exchange, what=what, shards=shards, exact=exact, loss=loss, predictions=predictions,
+                    own_gradients=own_gradients,
                     local_parts=local_parts, buffers=buffers, targets=targets, non_trainable=non_trainable, kinds=kinds)
 
     def finish(self, started: dict):
@@ -118,7 +122,10 @@ class WorkerExchange:
 
         loss = started["loss"]
         loss = on_host(result["loss"][0]) if loss is not None else None
-        return [on_host(g) for g in result["grads"]], loss, y_pred, finish
+        grads = started["own_gradients"]
+        if grads is None:
+            grads = [on_host(g) for g in result["grads"]]
+        return grads, loss, y_pred, finish
 
 
 class OverlappedExchange:

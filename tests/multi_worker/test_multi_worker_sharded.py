@@ -33,20 +33,32 @@ def _assert_close(got, expected):
         np.testing.assert_allclose(g, e, **TOL)
 
 
-def _one_process(out):
+def _one_process(out, initial="sharded_initial.npz"):
     model = build_model()
-    model.set_weights(_load(out / "sharded_initial.npz"))
+    model.set_weights(_load(out / initial))
     return model, keras_run(model, *data())
 
 
-def test_fit_evaluate_predict_equal_one_process(run):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fit_evaluate_predict_equal_one_process(run, stage):
     out, per_worker, results = run
-    _, expected = _one_process(out)
+    _, expected = _one_process(out, "sharded_initial.npz" if stage == 1 else "sharded_initial_2.npz")
+    prefix = "fit" if stage == 1 else "fit2"
     for worker in results:
-        assert int(worker["num_replicas"]) == 2 * per_worker and int(worker["stage"]) == 1
+        assert int(worker["num_replicas"]) == 2 * per_worker
+        assert int(worker["stage" if stage == 1 else "stage_2"]) == stage
         for key in ("loss", "mae", "evaluate", "predict"):
-            np.testing.assert_allclose(worker[f"fit_{key}"], expected[key], err_msg=key, **TOL)
-        _assert_close(_weights(worker, "fit_weights"), expected["weights"])
+            np.testing.assert_allclose(worker[f"{prefix}_{key}"], expected[key], err_msg=key, **TOL)
+        _assert_close(_weights(worker, f"{prefix}_weights"), expected["weights"])
+
+
+def test_stage_2_replicas_hold_one_piece_of_the_summed_gradients(run):
+    out, per_worker, results = run
+    replicas = 2 * per_worker
+    sizes = [math.prod(w.shape) for w in _load(out / "sharded_initial_2.npz")]
+    piece_bytes = 4 * sum(math.ceil(size / replicas) for size in sizes)  # float32
+    for worker in results:
+        assert worker["gradient_bytes_2"].tolist() == [piece_bytes] * per_worker
 
 
 def test_every_replica_of_every_worker_holds_one_piece(run):
@@ -83,11 +95,13 @@ def test_saved_under_the_cluster_loads_under_fewer_replicas_and_under_none(run):
     _assert_close(plain.get_weights(), reference.get_weights())
 
 
-def test_custom_loop_equals_one_process(run):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_custom_loop_equals_one_process(run, stage):
     out, _, results = run
     model = build_model()
-    model.set_weights(_load(out / "sharded_loop_initial.npz"))
+    model.set_weights(_load(out / ("sharded_loop_initial.npz" if stage == 1 else "sharded_loop_initial_2.npz")))
     losses = train(model, adam(), average_loss(squared_error), split(data(), GLOBAL_BATCH))
+    prefix = "loop" if stage == 1 else "loop2"
     for worker in results:
-        np.testing.assert_allclose(worker["loop_losses"], losses, **TOL)
-        _assert_close(_weights(worker, "loop_weights"), model.get_weights())
+        np.testing.assert_allclose(worker[f"{prefix}_losses"], losses, **TOL)
+        _assert_close(_weights(worker, f"{prefix}_weights"), model.get_weights())

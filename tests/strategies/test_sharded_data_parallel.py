@@ -250,14 +250,6 @@ def test_an_embedding_trained_with_adam_equals_one_device(stage, clipping):
                  [v.numpy() for v in reference.optimizer.variables])
 
 
-def test_stage_2_in_a_cluster_is_refused_before_joining_it(monkeypatch):
-    # A cluster of two workers (nothing listens there: the refusal comes before any connection).
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
-                                                "task": {"type": "worker", "index": 0}}))
-    with pytest.raises(ValueError, match="in a cluster of 2 workers it implements stage 1.*Use stage=1"):
-        ks.experimental.ShardedDataParallelStrategy(stage=2)
-
-
 def test_one_device_is_plain_keras():
     strategy = ks.experimental.ShardedDataParallelStrategy(devices(1))
     model, reference = sharded_and_reference(strategy, OPTIMIZERS["adam-global-clipnorm"])

@@ -1,5 +1,7 @@
-"""One worker of a multi-worker run of `ShardedDataParallelStrategy` (stage 1): fit / evaluate /
-predict, the guide's custom loop, what each replica stores, and whole checkpoints.
+"""One worker of a multi-worker run of `ShardedDataParallelStrategy`: at stage 1, fit / evaluate /
+predict, the guide's custom loop, what each replica stores, and whole checkpoints; at stage 2
+(the gradients reduce-scattered across the workers), fit / evaluate / predict, the custom loop
+and the gradient bytes each replica held.
 
 Each worker starts from different random weights (the chief's must win); the chief writes the
 initial weights, from which the test computes the single-process reference, and the model saved
@@ -60,6 +62,27 @@ if strategy.extended.should_checkpoint:
 dataset = tf.data.Dataset.from_tensor_slices(data()).batch(GLOBAL_BATCH)
 results["loop_losses"] = np.asarray(guide_loop(strategy, loop_model, optimizer, dataset, ks))
 results.update({f"loop_weights_{i}": w for i, w in enumerate(loop_model.get_weights())})
+
+# Stage 2: each replica's gradients cut into the pieces of every replica of every worker, each
+# worker summing its replicas' and the workers reduce-scattering the sums.
+stage_2 = ks.experimental.ShardedDataParallelStrategy(stage=2, communication_options=ks.CommunicationOptions(timeout_seconds=120))
+keras.utils.set_random_seed(300 + task_id)
+with stage_2.scope():
+    model_2 = build_model()
+    loop_model_2 = build_model()
+    optimizer_2 = adam()
+if stage_2.extended.should_checkpoint:
+    np.savez(os.path.join(out, "sharded_initial_2.npz"), *model_2.get_weights())
+    np.savez(os.path.join(out, "sharded_loop_initial_2.npz"), *loop_model_2.get_weights())
+results["stage_2"] = stage_2.extended.stage
+for key, value in keras_run(model_2, *data()).items():
+    if key == "weights":
+        results.update({f"fit2_weights_{i}": w for i, w in enumerate(value)})
+    else:
+        results[f"fit2_{key}"] = np.asarray(value)
+results["gradient_bytes_2"] = np.array(stage_2.extended.optimizer_state(model_2.optimizer).gradient_bytes)
+results["loop2_losses"] = np.asarray(guide_loop(stage_2, loop_model_2, optimizer_2, dataset, ks))
+results.update({f"loop2_weights_{i}": w for i, w in enumerate(loop_model_2.get_weights())})
 
 np.savez(os.path.join(out, f"sharded_worker_{task_id}.npz"), **results)
 print("SHARDED DONE", flush=True)
