@@ -112,7 +112,83 @@ class PieceLayout:
     summed_across_workers: Optional[Callable[[list], list]] = None
 
 
-class ShardedOptimizerState:
+class WholeValues:
+    """The sharded state whole, as the optimizer built whole would hold it (checkpoints): read
+    from and loaded into the pieces of a `ShardedOptimizerState`."""
+
+    optimizer: Any
+    variables: list
+    devices: tuple
+    layout: PieceLayout
+    optimizers: list
+    references: list
+    loaded_here: Optional[list]
+
+    def whole_values(self) -> list:
+        """The state as the optimizer built whole would hold it, in the order of its variables."""
+        sliced = [k for k, reference in enumerate(self.references) if reference is not None]
+        local = [np.concatenate([_numpy(copy.variables[k]) for copy in self.optimizers]) for k in sliced]
+        if self.layout.across_workers is not None:  # every worker's pieces, in worker order
+            local = [_numpy(stacked).reshape(-1) for stacked in self.layout.across_workers(local)]
+        flats = dict(zip(sliced, local))
+        values = []
+        for k, reference in enumerate(self.references):
+            if reference is None:
+                values.append(_numpy(self._own_scalar(self.optimizers[0].variables[k])))
+                continue
+            shape = tuple(self.variables[reference].shape)
+            values.append(flats[k][:math.prod(shape)].reshape(shape))
+        return values
+
+    def _own_scalar(self, variable: Any) -> Any:
+        """The optimizer's own iterations and learning rate stand for its copies'."""
+        copy = self.optimizers[0]
+        if variable is copy.iterations:
+            return self.optimizer.iterations
+        if variable is getattr(copy, "_learning_rate", None) and not callable(self.optimizer._learning_rate):
+            return self.optimizer._learning_rate
+        return variable
+
+    def whole_zeros(self) -> list:
+        """Zeros shaped and typed as `whole_values()`: what a worker that loaded nothing sends when the
+        workers take the chief's loaded values."""
+        zeros = []
+        for k, reference in enumerate(self.references):
+            variable = self.optimizers[0].variables[k]
+            shape = variable.shape if reference is None else self.variables[reference].shape
+            zeros.append(np.zeros(tuple(shape), keras.backend.standardize_dtype(variable.dtype)))
+        return zeros
+
+    def load(self, values: Sequence[Any]) -> None:
+        """Loads whole values (`whole_values`' order) into the pieces."""
+        expected = len(self.references)
+        if len(values) != expected:
+            raise ValueError(
+                f"The saved state of optimizer '{self.optimizer.name}' has {len(values)} variables, but this "
+                f"optimizer has {expected} for these {len(self.variables)} trainable variables: it was saved "
+                "for another model or another optimizer.")
+        n, first = self.layout.num_pieces, self.layout.first
+        if self.layout.across_workers is not None:
+            self.loaded_here = [np.asarray(v) for v in values]
+        for k, (reference, value) in enumerate(zip(self.references, values)):
+            value = np.asarray(value)
+            own = self._own_scalar(self.optimizers[0].variables[k])
+            if reference is None and own is not self.optimizers[0].variables[k]:
+                own.assign(value)
+            for i, (device, copy) in enumerate(zip(self.devices, self.optimizers)):
+                variable = copy.variables[k]
+                if reference is not None:
+                    length = flat_shards.piece_length(value.shape, n)
+                    flat = np.zeros((length * n,), value.dtype)
+                    flat[:value.size] = value.reshape(-1)
+                    value_i = flat[(first + i) * length:(first + i + 1) * length]
+                else:
+                    value_i = value
+                with engine.devices.device_scope(device):
+                    variable.assign(engine.devices.copy_to(keras.ops.convert_to_tensor(value_i, variable.dtype), device))
+
+
+class ShardedOptimizerState(WholeValues):
     """`optimizer`'s state for `variables`, one piece per device of `devices`; updates run there."""
 
     def __init__(self, optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str,
@@ -420,71 +496,6 @@ class ShardedOptimizerState:
         """The bytes of the slots (the state that grows with the model) each device holds."""
         return [sum(_nbytes(v) for v, ref in zip(copy.variables, self.references) if ref is not None)
                 for copy in self.optimizers]
-
-    # -- whole values, for checkpoints -----------------------------------------------------
-
-    def whole_values(self) -> list:
-        """The state as the optimizer built whole would hold it, in the order of its variables."""
-        sliced = [k for k, reference in enumerate(self.references) if reference is not None]
-        local = [np.concatenate([_numpy(copy.variables[k]) for copy in self.optimizers]) for k in sliced]
-        if self.layout.across_workers is not None:  # every worker's pieces, in worker order
-            local = [_numpy(stacked).reshape(-1) for stacked in self.layout.across_workers(local)]
-        flats = dict(zip(sliced, local))
-        values = []
-        for k, reference in enumerate(self.references):
-            if reference is None:
-                values.append(_numpy(self._own_scalar(self.optimizers[0].variables[k])))
-                continue
-            shape = tuple(self.variables[reference].shape)
-            values.append(flats[k][:math.prod(shape)].reshape(shape))
-        return values
-
-    def _own_scalar(self, variable: Any) -> Any:
-        """The optimizer's own iterations and learning rate stand for its copies'."""
-        copy = self.optimizers[0]
-        if variable is copy.iterations:
-            return self.optimizer.iterations
-        if variable is getattr(copy, "_learning_rate", None) and not callable(self.optimizer._learning_rate):
-            return self.optimizer._learning_rate
-        return variable
-
-    def whole_zeros(self) -> list:
-        """Zeros shaped and typed as `whole_values()`: what a worker that loaded nothing sends when the
-        workers take the chief's loaded values."""
-        zeros = []
-        for k, reference in enumerate(self.references):
-            variable = self.optimizers[0].variables[k]
-            shape = variable.shape if reference is None else self.variables[reference].shape
-            zeros.append(np.zeros(tuple(shape), keras.backend.standardize_dtype(variable.dtype)))
-        return zeros
-
-    def load(self, values: Sequence[Any]) -> None:
-        """Loads whole values (`whole_values`' order) into the pieces."""
-        expected = len(self.references)
-        if len(values) != expected:
-            raise ValueError(
-                f"The saved state of optimizer '{self.optimizer.name}' has {len(values)} variables, but this "
-                f"optimizer has {expected} for these {len(self.variables)} trainable variables: it was saved "
-                "for another model or another optimizer.")
-        n, first = self.layout.num_pieces, self.layout.first
-        if self.layout.across_workers is not None:
-            self.loaded_here = [np.asarray(v) for v in values]
-        for k, (reference, value) in enumerate(zip(self.references, values)):
-            value = np.asarray(value)
-            own = self._own_scalar(self.optimizers[0].variables[k])
-            if reference is None and own is not self.optimizers[0].variables[k]:
-                own.assign(value)
-            for i, (device, copy) in enumerate(zip(self.devices, self.optimizers)):
-                variable = copy.variables[k]
-                if reference is not None:
-                    length = flat_shards.piece_length(value.shape, n)
-                    flat = np.zeros((length * n,), value.dtype)
-                    flat[:value.size] = value.reshape(-1)
-                    value_i = flat[(first + i) * length:(first + i + 1) * length]
-                else:
-                    value_i = value
-                with engine.devices.device_scope(device):
-                    variable.assign(engine.devices.copy_to(keras.ops.convert_to_tensor(value_i, variable.dtype), device))
 
 
 def state_for(optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str,
