@@ -68,7 +68,10 @@ def run_part(backend: str, select: str, pytest_args: list[str], directory: str) 
     processes and, for the two JAX runs, one persistent compilation cache
     (`tests/conftest.py` makes one per run otherwise). Both Kerases build
     mostly the same XLA programs, and a cached one is the program XLA would
-    compile: whichever run reaches a test second loads them instead.
+    compile: whichever run reaches a test second loads them instead. JAX
+    writes an entry in place, so a run may read one the other is still
+    writing: it warns and compiles that program itself (tests that fail on
+    any warning let that one pass).
     """
     python = sys.executable
     env = dict(os.environ, KERAS_BACKEND=backend.split("-")[0],
