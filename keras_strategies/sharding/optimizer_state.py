@@ -308,7 +308,7 @@ class ShardedOptimizerState(WholeValues):
         self._update(cut_variables, cut_grads, present, grads_elsewhere=True)
 
     def _apply_replicas(self, grads: list, present: tuple) -> None:
-        local, k, host = len(self.devices), len(present), self.host
+        local, k = len(self.devices), len(present)
         n = self.layout.num_pieces
         workers = n // local
         shapes = [tuple(self.variables[j].shape) for j in present]  # also of sliced gradients, made dense
@@ -324,36 +324,27 @@ class ShardedOptimizerState(WholeValues):
             with engine.devices.device_scope(device):
                 cut.append(split(grads[r]))
         squares_needed = gradient_pieces.clipping(self.optimizer) in ("norm", "global")
+        # In one process the pieces are whole after this worker's sums: their squares in the same program.
+        squares_in_reduce = squares_needed and workers == 1
         width = workers * k  # the pieces device i sums over its worker's replicas
         incoming = self._on_each([[cut[r][i][position] for r in range(local) for position in range(width)]
                                   for i in range(local)])
-        sums = []
+        sums, squares = [], []
         for i, device in enumerate(self.devices):
-            reduce = self._part(f"reduce-{i}", present, lambda values: self._reduce(values, local, width))
+            reduce = self._part(f"reduce-{i}", present,
+                                lambda values: self._reduce(values, local, width, squares_in_reduce))
             with engine.devices.device_scope(device):
-                sums.append(reduce(incoming[i]))
+                sums_i, squares_i = reduce(incoming[i])
+            sums.append(sums_i)
+            squares.append(squares_i)
         pieces = sums if workers == 1 else self._scattered(sums, k)
-        squares = []
-        if squares_needed:
+        if squares_needed and not squares_in_reduce:  # of the pieces summed over the workers
+            squares = []
             for i, device in enumerate(self.devices):
                 square = self._part(f"squares-{i}", present, lambda values: [ops.sum(ops.square(p)) for p in values])
                 with engine.devices.device_scope(device):
                     squares.append(square(pieces[i]))
-        factors = None
-        if squares_needed:
-            on_host = engine.devices.place_each([s for row in squares for s in row], [host] * (local * k))
-            if self.layout.summed_across_workers is not None:  # every worker's devices' sums
-                on_host = engine.devices.place_each(self.layout.summed_across_workers(
-                    [gradient_pieces.summed([on_host[i * k + position] for i in range(local)]) for position in range(k)]),
-                    [host] * k)
-                rows = 1
-            else:
-                rows = local
-            combine = self._part("clip-factors", present, lambda values: gradient_pieces.clip_factors(
-                self.optimizer, [gradient_pieces.summed([values[i * k + position] for i in range(rows)])
-                                 for position in range(k)]))
-            with engine.devices.device_scope(host):
-                factors = combine(on_host)
+        factors = self._clip_factors(squares, present) if squares_needed else None
         cut_variables, _ = self._part("cut", present, self._cut)([self.variables[j].value for j in present], None)
         self._update(cut_variables, pieces, present, factors, clip=True)
 
@@ -368,14 +359,30 @@ class ShardedOptimizerState(WholeValues):
         own = self.layout.scattered_across_workers(stacked)
         return self._on_each([[own[i * k + position] for position in range(k)] for i in range(len(self.devices))])
 
-    def _reduce(self, incoming: list, n: int, width: int) -> list:
-        """On device i: each of its `width` pieces summed over the `n` replicas, unscaled."""
+    def _reduce(self, incoming: list, n: int, width: int, squares_needed: bool) -> tuple:
+        """On device i: each of its `width` pieces summed over the `n` replicas (unscaled), and the
+        sums of their squared elements where clipping needs norms."""
         scale = self.optimizer.loss_scale_factor
         pieces = []
         for position in range(width):
             total = gradient_pieces.summed([incoming[r * width + position] for r in range(n)])
             pieces.append(total if scale is None else total / scale)
-        return pieces
+        squares = [ops.sum(ops.square(piece)) for piece in pieces] if squares_needed else []
+        return pieces, squares
+
+    def _clip_factors(self, squares: list, present: tuple) -> Any:
+        """The optimizer's clipping factors from each device's sums of its pieces' squares
+        (`squares[i][position]`): summed over this worker's devices, then over the workers."""
+        k, host = len(present), self.host
+        on_host = engine.devices.place_each([s for row in squares for s in row], [host] * (len(squares) * k))
+        if self.layout.summed_across_workers is not None:  # a collective: eagerly, between the parts
+            with engine.devices.device_scope(host):
+                local = [gradient_pieces.summed(on_host[position::k]) for position in range(k)]
+            on_host = engine.devices.place_each(self.layout.summed_across_workers(local), [host] * k)
+        combine = self._part(f"clip-factors-{len(on_host) // k}", present, lambda values: gradient_pieces.clip_factors(
+            self.optimizer, [gradient_pieces.summed(values[position::k]) for position in range(k)]))
+        with engine.devices.device_scope(host):
+            return combine(on_host)
 
     def _part(self, name: str, present: tuple, fn: Any, state: Sequence[Any] = ()) -> Any:
         """`fn` compiled (once per `name`, variables with gradients and device) as one program."""

@@ -75,7 +75,7 @@ class WorkerExchange:
         exchange.add("check", [cross_worker.batch_check(shards, stop_asked)])
         # Gradients the strategy reduces across the workers in its update (reduce-scattered, at
         # ShardedDataParallelStrategy's stage 2) go to it as they are.
-        own_gradients = None if isinstance(grads, (list, tuple)) else grads
+        own_gradients = grads if self.strategy.extended._sums_gradients_in_update else None
         exchange.add("grads", [] if own_gradients is not None else grads, donated=True)
         exchange.add("loss", [] if loss is None else [loss], donated=True)
         local_parts = [shards.unpad(i, predictions[i]) for i in shards.active]
