@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -206,6 +207,7 @@ class ShardedOptimizerState(WholeValues):
         # Whole values this worker alone loaded (a chief restoring a backup), until the workers sync.
         self.loaded_here: Optional[list] = None
         self._programs: dict = {}  # whole updates, as one program where the engine compiles those
+        self._joined: Optional[tuple] = None  # (present, the values the last join assigned them)
         with _outside_strategies():
             self._make_pieces()
 
@@ -303,7 +305,8 @@ class ShardedOptimizerState(WholeValues):
         program(grads)
 
     def _apply_whole(self, grads: list, present: tuple) -> None:
-        cut_variables, cut_grads = self._part("cut", present, self._cut)([self.variables[j].value for j in present],
+        current = self._pieces_current(present)
+        cut_variables, cut_grads = self._part(f"cut-{current}", present, functools.partial(self._cut, present))(self._to_cut(present, current),
                                                                           grads)
         self._update(cut_variables, cut_grads, present, grads_elsewhere=True)
 
@@ -345,7 +348,8 @@ class ShardedOptimizerState(WholeValues):
                 with engine.devices.device_scope(device):
                     squares.append(square(pieces[i]))
         factors = self._clip_factors(squares, present) if squares_needed else None
-        cut_variables, _ = self._part("cut", present, self._cut)([self.variables[j].value for j in present], None)
+        current = self._pieces_current(present)
+        cut_variables, _ = self._part(f"cut-{current}", present, functools.partial(self._cut, present))(self._to_cut(present, current), None)
         self._update(cut_variables, pieces, present, factors, clip=True)
 
     def _scattered(self, sums: list, k: int) -> list:
@@ -391,9 +395,10 @@ class ShardedOptimizerState(WholeValues):
             self._parts[key] = engine.compiler.compile_stateful(fn, list(state))
         return self._parts[key]
 
-    def _cut(self, values: list, grads: Optional[list]) -> tuple:
-        """On the host device: the variables (and the whole gradients, unscaled and clipped by the
-        optimizer) cut into pieces: `[piece i of each] for each device i`."""
+    def _cut(self, present: tuple, values: list, grads: Optional[list]) -> tuple:
+        """On the host device: the `values` of the `present` variables (none where the pieces are
+        current) and their whole gradients (unscaled and clipped by the optimizer) cut into pieces:
+        `[piece i of each] for each device i`."""
         n, optimizer = self.layout.num_pieces, self.optimizer
         own = range(self.layout.first, self.layout.first + len(self.devices))  # this process's pieces
         with engine.devices.device_scope(self.host):
@@ -402,7 +407,8 @@ class ShardedOptimizerState(WholeValues):
                 return [[cut[i] for cut in cut_values] for i in own], None
             if optimizer.loss_scale_factor is not None:
                 grads = [g / optimizer.loss_scale_factor for g in grads]
-            cut_grads = [self._split_gradient(g, tuple(v.shape), n) for g, v in zip(optimizer._clip_gradients(grads), values)]
+            cut_grads = [self._split_gradient(g, tuple(self.variables[j].shape), n)
+                         for g, j in zip(optimizer._clip_gradients(grads), present)]
             return ([[cut[i] for cut in cut_values] for i in own],
                     [[cut[i] for cut in cut_grads] for i in own])
 
@@ -436,20 +442,20 @@ class ShardedOptimizerState(WholeValues):
         if not callable(optimizer._learning_rate):
             scalars.append(optimizer._learning_rate.value)
         factors = list(factors or [])
-        k = len(present)
         # One transfer of everything the devices take: their variable pieces, the step's scalars
         # (and clipping factors) and, from the host, their gradient pieces.
         inputs = self._on_each([[*cut_variables[i], *scalars, *factors, *(grads[i] if grads_elsewhere else ())]
                                 for i in range(len(self.devices))])
+        cut = len(cut_variables[0])  # each variable, or none where the pieces hold the variables (`_pieces_current`)
         for i, (device, copy, pieces) in enumerate(zip(self.devices, self.optimizers, self.pieces)):
             on_device = inputs[i]
             extra = len(scalars) + len(factors)
-            grads_i = on_device[k + extra:] if grads_elsewhere else grads[i]
+            grads_i = on_device[cut + extra:] if grads_elsewhere else grads[i]
             own = [pieces[j] for j in present]
-            step = self._part(f"update-{i}-{clip}", present, self._device_update(copy, own, len(scalars), clip),
+            step = self._part(f"update-{i}-{clip}-{cut}", present, self._device_update(copy, own, len(scalars), clip),
                               [*own, *copy.variables])
             with engine.devices.device_scope(device):
-                step(on_device[:k], grads_i, on_device[k:k + extra])
+                step(on_device[:cut], grads_i, on_device[cut:cut + extra])
         gathered = engine.devices.place_each([pieces[j].value for pieces in self.pieces for j in present],
                                              [host] * (len(present) * len(self.pieces)))
         gathered = self._from_every_worker(gathered)
@@ -457,6 +463,21 @@ class ShardedOptimizerState(WholeValues):
                           [*(self.variables[j] for j in present), optimizer.iterations])
         with engine.devices.device_scope(host):
             join(gathered)
+        self._joined = None
+        if engine.capabilities.immutable_values and all(self.variables[j].constraint is None for j in present):
+            self._joined = (present, [self.variables[j].value for j in present])
+
+    def _pieces_current(self, present: tuple) -> bool:
+        """Whether the devices' pieces of the `present` variables hold what those variables hold:
+        the last join assigned them (unconstrained) and nothing has written them since
+        (`engine.capabilities.immutable_values`). Then the update cuts no variable."""
+        if self._joined is None or self._joined[0] != present:
+            return False
+        return all(self.variables[j].value is value for j, value in zip(present, self._joined[1]))
+
+    def _to_cut(self, present: tuple, current: bool) -> list:
+        """The variables' values that the update cuts into the devices' pieces (none where current)."""
+        return [] if current else [self.variables[j].value for j in present]
 
     def _from_every_worker(self, local: list) -> list:
         """Every worker's values of `local` (one list per local device, flattened), in the order of

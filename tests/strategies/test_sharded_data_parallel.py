@@ -82,6 +82,43 @@ def test_fit_evaluate_predict_equal_one_device(replicas, batch_size, optimizer, 
                  [reference.predict(x, batch_size=batch_size, verbose=0)])
 
 
+class HalveTheBias(keras.callbacks.Callback):
+    """Writes a variable between two steps, as a user's callback may."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            bias = self.model.get_layer("hidden").bias
+            bias.assign(bias * 0.5)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_variables_written_between_steps_or_constrained_are_cut_again(stage):
+    # Where the devices' pieces may stay from one update to the next (JAX), a variable written
+    # between steps (a callback, set_weights) or by its constraint must be read again.
+    def constrained():
+        model = build(lambda: keras.optimizers.Adam(0.05))
+        model.get_layer("out").kernel.constraint = keras.constraints.MaxNorm(0.3)
+        return model
+
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage)
+    with strategy.scope():
+        model = constrained()
+    reference = constrained()
+    model.set_weights(reference.get_weights())
+    x, y = data()
+    kwargs = dict(batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[HalveTheBias()])
+    got, expected = model.fit(x, y, **kwargs).history, reference.fit(x, y, **kwargs).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+    weights = [w * 2 for w in reference.get_weights()]
+    model.set_weights(weights)
+    reference.set_weights(weights)
+    kwargs["callbacks"] = []
+    np.testing.assert_allclose(model.fit(x, y, **kwargs).history["loss"], reference.fit(x, y, **kwargs).history["loss"],
+                               rtol=1e-5, atol=1e-6)
+    assert_close(model.get_weights(), reference.get_weights())
+
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_each_device_holds_its_piece_of_the_optimizer_state(stage):
     """The pieces' shapes, devices and bytes: ceil(size / 4) elements of each slot per device; the

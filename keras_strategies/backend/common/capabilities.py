@@ -33,5 +33,8 @@ class Capabilities:
     programs_span_devices: bool = False
     """One compiled program may place its operations on several devices (TensorFlow's `tf.function`
     with device scopes), so an update that touches every device can be one program."""
+    immutable_values: bool = False
+    """A variable's value is an immutable array (JAX): while a variable holds the very array an
+    update assigned it, nothing has written it since, so what was cut from it still holds."""
     untraceable_errors: tuple = ()
     """What tracing a model's own step raises where the engine cannot compile it (then it runs eagerly)."""

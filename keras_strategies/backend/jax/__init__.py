@@ -31,6 +31,8 @@ CAPABILITIES = Capabilities(
     traces_custom_steps=True,
     # Cross-worker sums run between programs (gloo through `jax.distributed`).
     exchanges_in_program=False,
+    # A variable's value is a `jax.Array`, which nothing writes in place.
+    immutable_values=True,
     # What tracing a model's own step raises when JAX cannot compile it: a Python decision on a
     # traced value, or a `merge_call`.
     untraceable_errors=(jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,

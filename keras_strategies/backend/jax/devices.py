@@ -74,9 +74,16 @@ def copy_to(value: Any, name: str) -> Any:
 
 def place_each(values: list, names: list) -> list:
     """Each of `values` (arrays, host or device) on the device of the same index in `names`:
-    one batched transfer."""
+    one batched transfer of those not there yet (each array costs the transfer a dispatch)."""
     arrays = [v if isinstance(v, (jax.Array, np.ndarray)) else np.asarray(v) for v in values]
-    return list(jax.device_put(arrays, [jax_device(name) for name in names]))
+    targets = [jax_device(name) for name in names]
+    moving = [i for i, (array, device) in enumerate(zip(arrays, targets))
+              if not (isinstance(array, jax.Array) and array.is_fully_addressable
+                      and array.sharding.device_set == {device})]
+    if moving:
+        for i, moved in zip(moving, jax.device_put([arrays[i] for i in moving], [targets[i] for i in moving])):
+            arrays[i] = moved
+    return arrays
 
 
 def has_gpu() -> bool:
