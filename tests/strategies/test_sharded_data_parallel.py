@@ -38,12 +38,17 @@ def assert_close(got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
-def sharded_and_reference(strategy, optimizer):
+def built_and_reference(strategy, builder):
+    """`builder()` under `strategy` and without one, with the same weights."""
     with strategy.scope():
-        model = build(optimizer)
-    reference = build(optimizer)
+        model = builder()
+    reference = builder()
     model.set_weights(reference.get_weights())
     return model, reference
+
+
+def sharded_and_reference(strategy, optimizer):
+    return built_and_reference(strategy, lambda: build(optimizer))
 
 
 def adamw_without_decay_on_biases():
@@ -100,11 +105,8 @@ def test_variables_written_between_steps_or_constrained_are_cut_again(stage):
         model.get_layer("out").kernel.constraint = keras.constraints.MaxNorm(0.3)
         return model
 
-    strategy = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage)
-    with strategy.scope():
-        model = constrained()
-    reference = constrained()
-    model.set_weights(reference.get_weights())
+    model, reference = built_and_reference(ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage),
+                                           constrained)
     x, y = data()
     kwargs = dict(batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[HalveTheBias()])
     got, expected = model.fit(x, y, **kwargs).history, reference.fit(x, y, **kwargs).history
@@ -274,10 +276,7 @@ def test_an_embedding_trained_with_adam_equals_one_device(stage, clipping):
         return model
 
     strategy = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage)
-    with strategy.scope():
-        model = build_embedding()
-    reference = build_embedding()
-    model.set_weights(reference.get_weights())
+    model, reference = built_and_reference(strategy, build_embedding)
     kwargs = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)  # a partial last batch of 2 rows
     history = model.fit(tokens, y, **kwargs).history
     expected = reference.fit(tokens, y, **kwargs).history
