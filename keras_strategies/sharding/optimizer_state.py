@@ -306,8 +306,8 @@ class ShardedOptimizerState(WholeValues):
 
     def _apply_whole(self, grads: list, present: tuple) -> None:
         current = self._pieces_current(present)
-        cut_variables, cut_grads = self._part(f"cut-{current}", present, functools.partial(self._cut, present))(self._to_cut(present, current),
-                                                                          grads)
+        cut = self._part(f"cut-{current}", present, functools.partial(self._cut, present))
+        cut_variables, cut_grads = cut(self._to_cut(present, current), grads)
         self._update(cut_variables, cut_grads, present, grads_elsewhere=True)
 
     def _apply_replicas(self, grads: list, present: tuple) -> None:
@@ -349,7 +349,8 @@ class ShardedOptimizerState(WholeValues):
                     squares.append(square(pieces[i]))
         factors = self._clip_factors(squares, present) if squares_needed else None
         current = self._pieces_current(present)
-        cut_variables, _ = self._part(f"cut-{current}", present, functools.partial(self._cut, present))(self._to_cut(present, current), None)
+        cut_variables, _ = self._part(f"cut-{current}", present, functools.partial(self._cut, present))(
+            self._to_cut(present, current), None)
         self._update(cut_variables, pieces, present, factors, clip=True)
 
     def _scattered(self, sums: list, k: int) -> list:
