@@ -24,6 +24,7 @@ from keras_strategies.keras_integration import (
     optimizer_hooks,
     ownership,
     replica_seeds,
+    sharded_averages,
     sharded_saving,
 )
 
@@ -45,4 +46,5 @@ def install() -> None:
     backup_and_restore.install()
     replica_seeds.install()
     sharded_saving.install()
+    sharded_averages.install()
     engine.keras_hooks.install(context)

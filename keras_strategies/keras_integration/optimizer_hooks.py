@@ -23,6 +23,7 @@ from keras_strategies.distribute import context
 from keras_strategies.backend import engine
 from keras_strategies.backend.common import patches
 from keras_strategies.distribute.reduce_op import ReduceOp
+from keras_strategies.sharding import optimizer_state
 
 _state = threading.local()
 
@@ -57,9 +58,10 @@ def _wrap_apply(original: Callable) -> Callable:
             )
 
         def update(current, summed=None):
-            if not self.built and trainable_variables is not None:
+            if not self.built and trainable_variables is not None and not optimizer_state.shards_state(self):
                 # Built at the first update, which may be traced inside a compiled step: its
-                # variables are created outside the trace, as tf-keras creates its slots.
+                # variables are created outside the trace, as tf-keras creates its slots. (One whose
+                # strategy shards its state is built in pieces by the update, never whole.)
                 with engine.compiler.outside_compiled(), keras_backend.name_scope(self.name, caller=self):
                     self.build(list(trainable_variables))
                 self.built = True

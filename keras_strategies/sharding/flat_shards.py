@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import keras
+import numpy as np
 from keras import ops
 
 
@@ -33,3 +35,8 @@ def join(pieces: Sequence[Any], shape: Sequence[int]) -> Any:
     """The tensor of `shape` that `split` cut into `pieces` (their padding dropped)."""
     flat = pieces[0] if len(pieces) == 1 else ops.concatenate(list(pieces))
     return ops.reshape(flat[:math.prod(shape)], tuple(shape))
+
+
+def itemsize(value: Any) -> int:
+    """The bytes of one element of an array (or variable), also inside a trace."""
+    return np.dtype(keras.backend.standardize_dtype(value.dtype)).itemsize

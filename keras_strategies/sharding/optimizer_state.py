@@ -39,6 +39,7 @@ from keras_strategies.backend.common import replica_variables
 from keras_strategies.distribute import context
 from keras_strategies.sharding import flat_shards
 from keras_strategies.sharding import gradient_pieces
+from keras_strategies.sharding.scattered_update import ScatteredUpdate
 
 _STATE = "_ks_sharded_state"
 _PENDING = "_ks_pending_whole_state"  # whole values loaded before the pieces existed
@@ -58,12 +59,12 @@ def check_optimizer(optimizer: Any, strategy_name: str) -> None:
             f"{strategy_name} updates each device's piece of a variable on its own, which equals the whole "
             f"update only for optimizers whose update is elementwise ({', '.join(_ELEMENTWISE)}); {name} reads "
             "whole rows or norms of a variable. Use one of those, or ks.MirroredStrategy.")
-    if getattr(optimizer, "use_ema", False):
-        raise ValueError(f"{strategy_name} does not shard use_ema's moving averages yet: compile with "
-                         f"{name}(use_ema=False), or use ks.MirroredStrategy.")
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ValueError(f"{strategy_name} does not shard gradient accumulators yet: compile with "
-                         f"{name}(gradient_accumulation_steps=None), or use ks.MirroredStrategy.")
+    if getattr(optimizer, "gradient_accumulation_steps", None) and gradient_pieces.clipping(optimizer) in ("norm",
+                                                                                                           "global"):
+        raise ValueError(
+            f"{strategy_name} keeps the accumulated gradients in pieces, but {name}'s clipnorm or global_clipnorm "
+            "reads norms of whole accumulated gradients: with gradient_accumulation_steps use clipvalue (or no "
+            "clipping), or ks.MirroredStrategy.")
 
 
 def state_of(optimizer: Any) -> Optional["ShardedOptimizerState"]:
@@ -87,11 +88,7 @@ def _outside_strategies() -> Iterator[None]:
 
 def _nbytes(value: Any) -> int:
     """The bytes an array (or variable) stores, from its shape and dtype (also inside a trace)."""
-    return math.prod(value.shape) * _itemsize(value)
-
-
-def _itemsize(value: Any) -> int:
-    return np.dtype(keras.backend.standardize_dtype(value.dtype)).itemsize
+    return math.prod(value.shape) * flat_shards.itemsize(value)
 
 
 def _numpy(value: Any) -> np.ndarray:
@@ -144,8 +141,8 @@ class WholeValues:
     def _own_scalar(self, variable: Any) -> Any:
         """The optimizer's own iterations and learning rate stand for its copies'."""
         copy = self.optimizers[0]
-        if variable is copy.iterations:
-            return self.optimizer.iterations
+        if variable is copy._iterations:  # (`iterations` counts accumulated steps where gradients accumulate)
+            return self.optimizer._iterations
         if variable is getattr(copy, "_learning_rate", None) and not callable(self.optimizer._learning_rate):
             return self.optimizer._learning_rate
         return variable
@@ -189,7 +186,7 @@ class WholeValues:
                     variable.assign(engine.devices.copy_to(keras.ops.convert_to_tensor(value_i, variable.dtype), device))
 
 
-class ShardedOptimizerState(WholeValues):
+class ShardedOptimizerState(ScatteredUpdate, WholeValues):
     """`optimizer`'s state for `variables`, one piece per device of `devices`; updates run there."""
 
     def __init__(self, optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str,
@@ -214,8 +211,10 @@ class ShardedOptimizerState(WholeValues):
     def _make_pieces(self) -> None:
         """The pieces and the optimizer's copies, initialised from any whole state it holds or loaded."""
         optimizer = self.optimizer
-        config = dict(optimizer.get_config(), clipnorm=None, clipvalue=None, global_clipnorm=None,
-                      loss_scale_factor=None)
+        # The whole summed gradients are unscaled and clipped before they are cut, except where they
+        # accumulate: then each copy clips its accumulated pieces (elementwise, `check_optimizer`).
+        config = dict(optimizer.get_config(), clipnorm=None, global_clipnorm=None, loss_scale_factor=None,
+                      clipvalue=optimizer.clipvalue if self._accumulates else None)
         for i, device in enumerate(self.devices):
             with engine.devices.device_scope(device):
                 pieces = [keras.Variable(np.zeros((flat_shards.piece_length(v.shape, self.layout.num_pieces),),
@@ -234,6 +233,11 @@ class ShardedOptimizerState(WholeValues):
         elif optimizer.built:  # built whole before (e.g. by Keras when loading a model): its values
             self.load([_numpy(v) for v in optimizer.variables])
         object.__setattr__(optimizer, _STATE, self)
+
+    @property
+    def _accumulates(self) -> bool:
+        """Whether the optimizer accumulates gradients over several steps (in its copies' pieces)."""
+        return bool(self.optimizer.gradient_accumulation_steps)
 
     def _exclude_like(self, copy: Any, pieces: list) -> None:
         """The pieces of variables excluded from weight decay (by variable) are excluded in the copy."""
@@ -281,24 +285,13 @@ class ShardedOptimizerState(WholeValues):
         self.gradient_bytes = [sum(_nbytes(self.variables[j]) for j in present)] * len(self.devices)
         self._run(("whole", present), self._apply_whole, [grads[j] for j in present], present)
 
-    def apply_per_replica(self, per_replica: list) -> None:
-        """One update with every replica's own gradients (`per_replica[r][j]`, on replica r's device),
-        reduce-scattered (`gradient_pieces`): each device sums its piece of every replica's
-        gradients, unscaled and clipped in pieces."""
-        present = tuple(j for j, g in enumerate(per_replica[0]) if g is not None)
-        n = self.layout.num_pieces
-        self.gradient_bytes = [sum(flat_shards.piece_length(self.variables[j].shape, n) * _itemsize(self.variables[j])
-                                   for j in present)] * len(self.devices)
-        self._run(("replicas", present), self._apply_replicas, [[row[j] for j in present] for row in per_replica],
-                  present)
-
     def _run(self, key: tuple, update: Any, grads: Any, present: tuple) -> None:
         # Cross-worker collectives run eagerly, between the compiled parts.
         if not engine.capabilities.programs_span_devices or self.layout.across_workers is not None:
             return update(grads, present)
         program = self._programs.get(key)
         if program is None:
-            state = [*self.variables, self.optimizer.iterations]
+            state = [*self.variables, self.optimizer._iterations]
             state += [v for copy, pieces in zip(self.optimizers, self.pieces) for v in [*pieces, *copy.variables]]
             program = self._programs[key] = engine.compiler.compile_stateful(
                 lambda g: update(g, present), state)
@@ -309,85 +302,6 @@ class ShardedOptimizerState(WholeValues):
         cut = self._part(f"cut-{current}", present, functools.partial(self._cut, present))
         cut_variables, cut_grads = cut(self._to_cut(present, current), grads)
         self._update(cut_variables, cut_grads, present, grads_elsewhere=True)
-
-    def _apply_replicas(self, grads: list, present: tuple) -> None:
-        local, k = len(self.devices), len(present)
-        n = self.layout.num_pieces
-        workers = n // local
-        shapes = [tuple(self.variables[j].shape) for j in present]  # also of sliced gradients, made dense
-        # cut[r][i]: replica r's pieces for local device i, of every worker's device i (piece
-        # w * local + i of worker w), worker-major, one per variable.
-        cut = []
-        for r, device in enumerate(self.devices):
-            split = self._part(f"split-{r}", present, lambda values: [
-                [pieces[w * local + i] for w in range(workers)
-                 for pieces in (flat_shards.split(ops.reshape(ops.convert_to_tensor(g), shape), n)
-                                for g, shape in zip(values, shapes))]
-                for i in range(local)])
-            with engine.devices.device_scope(device):
-                cut.append(split(grads[r]))
-        squares_needed = gradient_pieces.clipping(self.optimizer) in ("norm", "global")
-        # In one process the pieces are whole after this worker's sums: their squares in the same program.
-        squares_in_reduce = squares_needed and workers == 1
-        width = workers * k  # the pieces device i sums over its worker's replicas
-        incoming = self._on_each([[cut[r][i][position] for r in range(local) for position in range(width)]
-                                  for i in range(local)])
-        sums, squares = [], []
-        for i, device in enumerate(self.devices):
-            reduce = self._part(f"reduce-{i}", present,
-                                lambda values: self._reduce(values, local, width, squares_in_reduce))
-            with engine.devices.device_scope(device):
-                sums_i, squares_i = reduce(incoming[i])
-            sums.append(sums_i)
-            squares.append(squares_i)
-        pieces = sums if workers == 1 else self._scattered(sums, k)
-        if squares_needed and not squares_in_reduce:  # of the pieces summed over the workers
-            squares = []
-            for i, device in enumerate(self.devices):
-                square = self._part(f"squares-{i}", present, lambda values: [ops.sum(ops.square(p)) for p in values])
-                with engine.devices.device_scope(device):
-                    squares.append(square(pieces[i]))
-        factors = self._clip_factors(squares, present) if squares_needed else None
-        current = self._pieces_current(present)
-        cut_variables, _ = self._part(f"cut-{current}", present, functools.partial(self._cut, present))(
-            self._to_cut(present, current), None)
-        self._update(cut_variables, pieces, present, factors, clip=True)
-
-    def _scattered(self, sums: list, k: int) -> list:
-        """Each local device's own pieces summed over every worker (`sums[i]`: device i's sums over
-        its worker's replicas of the pieces of every worker's device i, worker-major): one
-        reduce-scatter across the workers, its results on their devices."""
-        workers = len(sums[0]) // k
-        with engine.devices.device_scope(self.host):
-            stacked = [ops.stack([engine.devices.copy_to(sums[i][w * k + position], self.host) for w in range(workers)])
-                       for i in range(len(self.devices)) for position in range(k)]
-        own = self.layout.scattered_across_workers(stacked)
-        return self._on_each([[own[i * k + position] for position in range(k)] for i in range(len(self.devices))])
-
-    def _reduce(self, incoming: list, n: int, width: int, squares_needed: bool) -> tuple:
-        """On device i: each of its `width` pieces summed over the `n` replicas (unscaled), and the
-        sums of their squared elements where clipping needs norms."""
-        scale = self.optimizer.loss_scale_factor
-        pieces = []
-        for position in range(width):
-            total = gradient_pieces.summed([incoming[r * width + position] for r in range(n)])
-            pieces.append(total if scale is None else total / scale)
-        squares = [ops.sum(ops.square(piece)) for piece in pieces] if squares_needed else []
-        return pieces, squares
-
-    def _clip_factors(self, squares: list, present: tuple) -> Any:
-        """The optimizer's clipping factors from each device's sums of its pieces' squares
-        (`squares[i][position]`): summed over this worker's devices, then over the workers."""
-        k, host = len(present), self.host
-        on_host = engine.devices.place_each([s for row in squares for s in row], [host] * (len(squares) * k))
-        if self.layout.summed_across_workers is not None:  # a collective: eagerly, between the parts
-            with engine.devices.device_scope(host):
-                local = [gradient_pieces.summed(on_host[position::k]) for position in range(k)]
-            on_host = engine.devices.place_each(self.layout.summed_across_workers(local), [host] * k)
-        combine = self._part(f"clip-factors-{len(on_host) // k}", present, lambda values: gradient_pieces.clip_factors(
-            self.optimizer, [gradient_pieces.summed(values[position::k]) for position in range(k)]))
-        with engine.devices.device_scope(host):
-            return combine(on_host)
 
     def _part(self, name: str, present: tuple, fn: Any, state: Sequence[Any] = ()) -> Any:
         """`fn` compiled (once per `name`, variables with gradients and device) as one program."""
@@ -409,7 +323,7 @@ class ShardedOptimizerState(WholeValues):
             if optimizer.loss_scale_factor is not None:
                 grads = [g / optimizer.loss_scale_factor for g in grads]
             cut_grads = [self._split_gradient(g, tuple(self.variables[j].shape), n)
-                         for g, j in zip(optimizer._clip_gradients(grads), present)]
+                         for g, j in zip(grads if self._accumulates else optimizer._clip_gradients(grads), present)]
             return ([[cut[i] for cut in cut_values] for i in own],
                     [[cut[i] for cut in cut_grads] for i in own])
 
@@ -438,8 +352,8 @@ class ShardedOptimizerState(WholeValues):
         """Each device updates its pieces (`grads[i]`: its gradient pieces, there unless
         `grads_elsewhere`, clipped first with `factors` when `clip`); the pieces are gathered into
         the variables."""
-        optimizer, host = self.optimizer, self.host
-        scalars = [optimizer.iterations.value]
+        optimizer = self.optimizer
+        scalars = [optimizer._iterations.value]
         if not callable(optimizer._learning_rate):
             scalars.append(optimizer._learning_rate.value)
         factors = list(factors or [])
@@ -457,11 +371,17 @@ class ShardedOptimizerState(WholeValues):
                               [*own, *copy.variables])
             with engine.devices.device_scope(device):
                 step(on_device[:cut], grads_i, on_device[cut:cut + extra])
+        self._gather_into_variables(present, counts_step=True)
+
+    def _gather_into_variables(self, present: tuple, counts_step: bool) -> None:
+        """The devices' pieces of the `present` variables joined into them on the host (and the
+        optimizer's step counted, after an update)."""
+        optimizer, host = self.optimizer, self.host
         gathered = engine.devices.place_each([pieces[j].value for pieces in self.pieces for j in present],
                                              [host] * (len(present) * len(self.pieces)))
         gathered = self._from_every_worker(gathered)
-        join = self._part("join", present, lambda values: self._join(values, present),
-                          [*(self.variables[j] for j in present), optimizer.iterations])
+        join = self._part(f"join-{counts_step}", present, lambda values: self._join(values, present, counts_step),
+                          [*(self.variables[j] for j in present), optimizer._iterations])
         with engine.devices.device_scope(host):
             join(gathered)
         self._joined = None
@@ -494,7 +414,7 @@ class ShardedOptimizerState(WholeValues):
         def update(variable_pieces: list, grads: list, scalars: list) -> None:
             for piece, value in zip(own, variable_pieces):
                 piece.assign(value)
-            copy.iterations.assign(scalars[0])
+            copy._iterations.assign(scalars[0])
             if num_scalars > 1:
                 copy._learning_rate.assign(scalars[1])
             if clip:
@@ -504,7 +424,17 @@ class ShardedOptimizerState(WholeValues):
 
         return update
 
-    def _join(self, gathered: list, present: tuple) -> None:
+    def finalize_variable_values(self) -> None:
+        """`use_ema`'s end of training (`optimizer.finalize_variable_values`): each device overwrites
+        its pieces with their moving averages, which are joined into the variables."""
+        if not self.optimizer.use_ema:
+            return
+        for device, copy, pieces in zip(self.devices, self.optimizers, self.pieces):
+            with _outside_strategies(), engine.devices.device_scope(device):
+                copy.finalize_variable_values(pieces)
+        self._gather_into_variables(tuple(range(len(self.variables))), counts_step=False)
+
+    def _join(self, gathered: list, present: tuple, counts_step: bool = True) -> None:
         """On the host device: the variables assigned their joined pieces (then their constraints)."""
         k = len(present)
         for position, j in enumerate(present):
@@ -513,7 +443,8 @@ class ShardedOptimizerState(WholeValues):
                                              variable.shape))
             if variable.constraint is not None:
                 variable.assign(variable.constraint(variable))
-        self.optimizer.iterations.assign_add(1)
+        if counts_step:
+            self.optimizer._iterations.assign_add(1)
 
     # -- what each device holds ------------------------------------------------------------
 
@@ -539,7 +470,7 @@ def state_for(optimizer: Any, variables: Sequence[Any], devices: Sequence[str], 
 
 def shards_state(optimizer: Any) -> bool:
     """Whether `optimizer`'s state is (or will be) split over devices: its strategy shards it."""
-    return strategy_shards_state(context.strategy_of(getattr(optimizer, "iterations", None)) or context.get_strategy())
+    return strategy_shards_state(context.strategy_of(getattr(optimizer, "_iterations", None)) or context.get_strategy())
 
 
 def strategy_shards_state(strategy: Any) -> bool:

@@ -62,6 +62,7 @@ OPTIMIZERS = {
     "sgd-momentum-clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.3),
     "adamw-excluded-biases": adamw_without_decay_on_biases,
     "rmsprop-schedule": lambda: keras.optimizers.RMSprop(keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)),
+    "adam-accumulated-clipvalue": lambda: keras.optimizers.Adam(0.05, gradient_accumulation_steps=2, clipvalue=0.02),
 }
 
 
@@ -80,7 +81,8 @@ def test_fit_evaluate_predict_equal_one_device(replicas, batch_size, optimizer, 
     assert_close(model.get_weights(), reference.get_weights())
     state = strategy.extended.optimizer_state(model.optimizer)
     assert_close(state.whole_values(), [v.numpy() for v in reference.optimizer.variables])
-    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == int(
+        keras.ops.convert_to_numpy(reference.optimizer.iterations))
     assert_close([model.evaluate(x, y, batch_size=batch_size, verbose=0)],
                  [reference.evaluate(x, y, batch_size=batch_size, verbose=0)])
     assert_close([model.predict(x, batch_size=batch_size, verbose=0)],
@@ -182,6 +184,7 @@ def test_custom_loop_equals_one_device(stage):
     assert_close(model.get_weights(), reference.get_weights())
     assert_close(strategy.extended.optimizer_state(model.optimizer).whole_values(),
                  [v.numpy() for v in reference.optimizer.variables])
+    assert not model.optimizer.built  # its state lives in pieces only, never whole
 
 
 def trained_under(replicas, path):
@@ -254,12 +257,34 @@ def test_refusals_name_the_fix():
     x, y = data()
     for optimizer, match in ((lambda: keras.optimizers.Adafactor(), "Adafactor reads whole rows"),
                              (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "mixed_bfloat16"),
-                             (lambda: keras.optimizers.Adam(use_ema=True), "use_ema=False")):
+                             (lambda: keras.optimizers.SGD(gradient_accumulation_steps=2, clipnorm=1.0),
+                              "with gradient_accumulation_steps use clipvalue")):
         strategy = ks.experimental.ShardedDataParallelStrategy(devices(2))
         with strategy.scope():
             model = build(optimizer)
         with pytest.raises(ValueError, match=match):
             model.fit(x, y, batch_size=4, verbose=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_moving_averages_are_kept_in_pieces_and_written_like_one_device(stage):
+    """`use_ema`: each device averages its pieces (overwriting them every 4 of its 9 steps), and `fit` ends
+    with the averages in the variables, as on one device."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(4), stage=stage)
+    model, reference = sharded_and_reference(
+        strategy, lambda: keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=4))
+    x, y = data()
+    kwargs = dict(batch_size=6, epochs=3, shuffle=False, verbose=0)
+    got, expected = model.fit(x, y, **kwargs).history, reference.fit(x, y, **kwargs).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+    assert_close(model.get_weights(), reference.get_weights())
+    state = strategy.extended.optimizer_state(model.optimizer)
+    assert_close(state.whole_values(), [v.numpy() for v in reference.optimizer.variables])
+    # Adam's two moments and the averages: three slots, each device holding a piece of each.
+    kernel = model.get_layer("hidden").kernel
+    assert state.slot_bytes_per_replica() == [3 * sum(math.ceil(math.prod(v.shape) / 4) * 4
+                                                      for v in model.trainable_variables)] * 4
+    assert not model.optimizer.built and kernel.shape == (FEATURES, 7)
 
 
 @pytest.mark.parametrize("clipping", [{}, {"global_clipnorm": 1.0}], ids=["slices", "clipped"])
