@@ -17,8 +17,11 @@ with the engine's collective (`engine.collectives.all_gather`).
 That equals the optimizer's own update where the update is elementwise
 (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion);
 optimizers that read whole rows or norms of a variable (Adafactor, Lamb,
-Muon) are refused. Saving writes the state whole, in the order of the
-optimizer's own variables, so it loads under any strategy and replica count.
+Muon) are refused. `use_ema`'s averages and accumulated gradients are pieces
+of the copies like their slots; a `LossScaleOptimizer`'s inner optimizer is
+the one sharded (`loss_scaling`). Saving writes the state whole, in the order
+of the optimizer's own variables, so it loads under any strategy and replica
+count.
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import keras
 import numpy as np
 from keras import ops
-from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
 from keras_strategies.backend import engine
 from keras_strategies.backend.common import replica_variables
 from keras_strategies.distribute import context
 from keras_strategies.sharding import flat_shards
 from keras_strategies.sharding import gradient_pieces
+from keras_strategies.sharding import loss_scaling
 from keras_strategies.sharding.scattered_update import ScatteredUpdate
 
 _STATE = "_ks_sharded_state"
@@ -48,12 +51,10 @@ _ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adama
 
 
 def check_optimizer(optimizer: Any, strategy_name: str) -> None:
-    """Refuses, with the reason, an optimizer whose state cannot be updated in pieces."""
+    """Refuses, with the reason, an optimizer whose state cannot be updated in pieces (of a
+    `LossScaleOptimizer`, its inner optimizer)."""
+    _, optimizer = loss_scaling.scaler_and_inner(optimizer)
     name = type(optimizer).__name__
-    if isinstance(optimizer, LossScaleOptimizer):
-        raise ValueError(
-            f"{strategy_name} does not shard a LossScaleOptimizer's state yet. For mixed precision use the "
-            "'mixed_bfloat16' policy (which needs no loss scaling), or ks.MirroredStrategy.")
     if not isinstance(optimizer, tuple(getattr(keras.optimizers, n) for n in _ELEMENTWISE)):
         raise ValueError(
             f"{strategy_name} updates each device's piece of a variable on its own, which equals the whole "
@@ -68,8 +69,9 @@ def check_optimizer(optimizer: Any, strategy_name: str) -> None:
 
 
 def state_of(optimizer: Any) -> Optional["ShardedOptimizerState"]:
-    """The sharded state of `optimizer`, if a sharded strategy has split it."""
-    return getattr(optimizer, _STATE, None)
+    """The sharded state of `optimizer` (of a `LossScaleOptimizer`'s inner optimizer), if a sharded
+    strategy has split it."""
+    return getattr(loss_scaling.scaler_and_inner(optimizer)[1], _STATE, None)
 
 
 def keep_pending(optimizer: Any, values: list) -> None:
@@ -190,8 +192,9 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
     """`optimizer`'s state for `variables`, one piece per device of `devices`; updates run there."""
 
     def __init__(self, optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str,
-                 layout: Optional[PieceLayout] = None):
+                 layout: Optional[PieceLayout] = None, scaler: Optional[Any] = None):
         self.optimizer, self.variables = optimizer, list(variables)
+        self.scaler = scaler  # a LossScaleOptimizer around `optimizer`: its scale unscales the gradients
         self.devices, self.host = tuple(devices), host
         self.layout = layout or PieceLayout(len(self.devices))
         self.pieces: list = []  # pieces[i][j]: device i's piece of variable j
@@ -291,7 +294,7 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
             return update(grads, present)
         program = self._programs.get(key)
         if program is None:
-            state = [*self.variables, self.optimizer._iterations]
+            state = [*self.variables, self.optimizer._iterations, *loss_scaling.own_variables(self.scaler)]
             state += [v for copy, pieces in zip(self.optimizers, self.pieces) for v in [*pieces, *copy.variables]]
             program = self._programs[key] = engine.compiler.compile_stateful(
                 lambda g: update(g, present), state)
@@ -300,8 +303,12 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
     def _apply_whole(self, grads: list, present: tuple) -> None:
         current = self._pieces_current(present)
         cut = self._part(f"cut-{current}", present, functools.partial(self._cut, present))
-        cut_variables, cut_grads = cut(self._to_cut(present, current), grads)
-        self._update(cut_variables, cut_grads, present, grads_elsewhere=True)
+        cut_variables, cut_grads, finite = cut(self._to_cut(present, current), grads, self._scale())
+        self._update(cut_variables, cut_grads, present, grads_elsewhere=True, finite=finite)
+
+    def _scale(self) -> list:
+        """The loss scale the gradients are unscaled by, where a LossScaleOptimizer's changes: `[scale]`."""
+        return [] if self.scaler is None else [self.scaler.dynamic_scale.value]
 
     def _part(self, name: str, present: tuple, fn: Any, state: Sequence[Any] = ()) -> Any:
         """`fn` compiled (once per `name`, variables with gradients and device) as one program."""
@@ -310,22 +317,27 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
             self._parts[key] = engine.compiler.compile_stateful(fn, list(state))
         return self._parts[key]
 
-    def _cut(self, present: tuple, values: list, grads: Optional[list]) -> tuple:
+    def _cut(self, present: tuple, values: list, grads: Optional[list], scale: Sequence[Any] = ()) -> tuple:
         """On the host device: the `values` of the `present` variables (none where the pieces are
-        current) and their whole gradients (unscaled and clipped by the optimizer) cut into pieces:
-        `[piece i of each] for each device i`."""
+        current) and their whole gradients (unscaled, by `scale` where given, and clipped by the
+        optimizer) cut into pieces, `[piece i of each] for each device i`; and with `scale`, whether
+        the gradients are finite."""
         n, optimizer = self.layout.num_pieces, self.optimizer
         own = range(self.layout.first, self.layout.first + len(self.devices))  # this process's pieces
         with engine.devices.device_scope(self.host):
             cut_values = [flat_shards.split(v, n) for v in values]
             if grads is None:
-                return [[cut[i] for cut in cut_values] for i in own], None
-            if optimizer.loss_scale_factor is not None:
+                return [[cut[i] for cut in cut_values] for i in own], None, None
+            finite = None
+            if scale:
+                finite = self.scaler.check_finite(grads)
+                grads = [ops.divide(g, scale[0]) for g in grads]
+            elif optimizer.loss_scale_factor is not None:
                 grads = [g / optimizer.loss_scale_factor for g in grads]
             cut_grads = [self._split_gradient(g, tuple(self.variables[j].shape), n)
                          for g, j in zip(grads if self._accumulates else optimizer._clip_gradients(grads), present)]
             return ([[cut[i] for cut in cut_values] for i in own],
-                    [[cut[i] for cut in cut_grads] for i in own])
+                    [[cut[i] for cut in cut_grads] for i in own], finite)
 
     @staticmethod
     def _split_gradient(grad: Any, shape: tuple, n: int) -> list:
@@ -348,42 +360,47 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
         return out
 
     def _update(self, cut_variables: list, grads: list, present: tuple, factors: Optional[list] = None,
-                clip: bool = False, grads_elsewhere: bool = False) -> None:
+                clip: bool = False, grads_elsewhere: bool = False, finite: Any = None) -> None:
         """Each device updates its pieces (`grads[i]`: its gradient pieces, there unless
-        `grads_elsewhere`, clipped first with `factors` when `clip`); the pieces are gathered into
-        the variables."""
+        `grads_elsewhere`, clipped first with `factors` when `clip`; kept only where `finite`, when
+        given); the pieces are gathered into the variables."""
         optimizer = self.optimizer
         scalars = [optimizer._iterations.value]
         if not callable(optimizer._learning_rate):
             scalars.append(optimizer._learning_rate.value)
         factors = list(factors or [])
+        flags = [] if finite is None else [finite]
         # One transfer of everything the devices take: their variable pieces, the step's scalars
-        # (and clipping factors) and, from the host, their gradient pieces.
-        inputs = self._on_each([[*cut_variables[i], *scalars, *factors, *(grads[i] if grads_elsewhere else ())]
+        # (clipping factors, whether the gradients are finite) and, from the host, their gradient pieces.
+        inputs = self._on_each([[*cut_variables[i], *scalars, *factors, *flags, *(grads[i] if grads_elsewhere else ())]
                                 for i in range(len(self.devices))])
         cut = len(cut_variables[0])  # each variable, or none where the pieces hold the variables (`_pieces_current`)
         for i, (device, copy, pieces) in enumerate(zip(self.devices, self.optimizers, self.pieces)):
             on_device = inputs[i]
-            extra = len(scalars) + len(factors)
+            extra = len(scalars) + len(factors) + len(flags)
             grads_i = on_device[cut + extra:] if grads_elsewhere else grads[i]
             own = [pieces[j] for j in present]
-            step = self._part(f"update-{i}-{clip}-{cut}", present, self._device_update(copy, own, len(scalars), clip),
-                              [*own, *copy.variables])
+            step = self._part(f"update-{i}-{clip}-{cut}-{bool(flags)}", present,
+                              self._device_update(copy, own, len(scalars), clip, bool(flags)), [*own, *copy.variables])
             with engine.devices.device_scope(device):
                 step(on_device[:cut], grads_i, on_device[cut:cut + extra])
-        self._gather_into_variables(present, counts_step=True)
+        self._gather_into_variables(present, counts_step=True, finite=finite)
 
-    def _gather_into_variables(self, present: tuple, counts_step: bool) -> None:
+    def _gather_into_variables(self, present: tuple, counts_step: bool, finite: Any = None) -> None:
         """The devices' pieces of the `present` variables joined into them on the host (and the
-        optimizer's step counted, after an update)."""
+        optimizer's step counted, after an update: where `finite` is given, if it holds, and the
+        loss scale's step too)."""
         optimizer, host = self.optimizer, self.host
         gathered = engine.devices.place_each([pieces[j].value for pieces in self.pieces for j in present],
                                              [host] * (len(present) * len(self.pieces)))
         gathered = self._from_every_worker(gathered)
-        join = self._part(f"join-{counts_step}", present, lambda values: self._join(values, present, counts_step),
-                          [*(self.variables[j] for j in present), optimizer._iterations])
+        flags = [] if finite is None else [finite]
+        join = self._part(f"join-{counts_step}-{bool(flags)}", present,
+                          lambda values, flags: self._join(values, present, counts_step, flags),
+                          [*(self.variables[j] for j in present), optimizer._iterations,
+                           *loss_scaling.own_variables(self.scaler)])
         with engine.devices.device_scope(host):
-            join(gathered)
+            join(gathered, flags)
         self._joined = None
         if engine.capabilities.immutable_values and all(self.variables[j].constraint is None for j in present):
             self._joined = (present, [self.variables[j].value for j in present])
@@ -408,7 +425,7 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
         stacked = self.layout.across_workers(list(local))
         return [value[w] for w in range(self.layout.num_pieces // len(self.devices)) for value in stacked]
 
-    def _device_update(self, copy: Any, own: list, num_scalars: int, clip: bool) -> Any:
+    def _device_update(self, copy: Any, own: list, num_scalars: int, clip: bool, masked: bool) -> Any:
         optimizer = self.optimizer
 
         def update(variable_pieces: list, grads: list, scalars: list) -> None:
@@ -417,10 +434,13 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
             copy._iterations.assign(scalars[0])
             if num_scalars > 1:
                 copy._learning_rate.assign(scalars[1])
+            factors = scalars[num_scalars:len(scalars) - masked]
             if clip:
-                factors = scalars[num_scalars:]
                 grads = [gradient_pieces.clip_piece(optimizer, g, k, factors) for k, g in enumerate(grads)]
-            copy.apply(grads, own)
+            if masked:  # a LossScaleOptimizer's step: kept only where the gradients were finite
+                loss_scaling.kept_if_finite(scalars[-1], lambda: copy.apply(grads, own), [*own, *copy.variables])
+            else:
+                copy.apply(grads, own)
 
         return update
 
@@ -434,16 +454,21 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
                 copy.finalize_variable_values(pieces)
         self._gather_into_variables(tuple(range(len(self.variables))), counts_step=False)
 
-    def _join(self, gathered: list, present: tuple, counts_step: bool = True) -> None:
-        """On the host device: the variables assigned their joined pieces (then their constraints)."""
+    def _join(self, gathered: list, present: tuple, counts_step: bool = True, flags: Sequence[Any] = ()) -> None:
+        """On the host device: the variables assigned their joined pieces (then their constraints;
+        with `flags`, `[finite]`, only after a step whose gradients were finite)."""
         k = len(present)
         for position, j in enumerate(present):
             variable = self.variables[j]
             variable.assign(flat_shards.join([gathered[i * k + position] for i in range(self.layout.num_pieces)],
                                              variable.shape))
             if variable.constraint is not None:
-                variable.assign(variable.constraint(variable))
-        if counts_step:
+                constrained = variable.constraint(variable)
+                variable.assign(ops.where(flags[0], constrained, variable.value) if flags else constrained)
+        if counts_step and flags:
+            self.optimizer._iterations.assign_add(ops.cast(flags[0], self.optimizer._iterations.dtype))
+            loss_scaling.next_scale(self.scaler, flags[0])
+        elif counts_step:
             self.optimizer._iterations.assign_add(1)
 
     # -- what each device holds ------------------------------------------------------------
@@ -460,12 +485,31 @@ class ShardedOptimizerState(ScatteredUpdate, WholeValues):
 
 def state_for(optimizer: Any, variables: Sequence[Any], devices: Sequence[str], host: str,
               strategy_name: str, layout: Optional[PieceLayout] = None) -> ShardedOptimizerState:
-    """`optimizer`'s sharded state for `variables`, made at its first update."""
+    """`optimizer`'s sharded state for `variables`, made at its first update (of a
+    `LossScaleOptimizer`: its inner optimizer's, with its own variables built whole beside)."""
     state = state_of(optimizer)
     if state is None or [id(v) for v in state.variables] != [id(v) for v in variables]:
         check_optimizer(optimizer, strategy_name)
-        state = ShardedOptimizerState(optimizer, variables, devices, host, layout)
+        scaler, inner = loss_scaling.scaler_and_inner(optimizer)
+        if scaler is not None:
+            with engine.compiler.outside_compiled(), engine.devices.device_scope(host):
+                loss_scaling.build_own(scaler, variables)
+            _load_pending_scaler(scaler, inner)
+        state = ShardedOptimizerState(inner, variables, devices, host, layout, scaler)
     return state
+
+
+def _load_pending_scaler(scaler: Any, inner: Any) -> None:
+    """Whole values a LossScaleOptimizer loaded before it was built: its own now, its inner
+    optimizer's for the pieces."""
+    pending = getattr(scaler, _PENDING, None)
+    if pending is None:
+        return
+    object.__setattr__(scaler, _PENDING, None)
+    own = loss_scaling.own_variables(scaler)
+    for variable, value in zip(own, pending):
+        variable.assign(value)
+    keep_pending(inner, list(pending[len(own):]))
 
 
 def shards_state(optimizer: Any) -> bool:
@@ -481,17 +525,27 @@ def strategy_shards_state(strategy: Any) -> bool:
 def whole_state(optimizer: Any) -> Optional[list]:
     """`optimizer`'s state whole (NumPy, in the order of its own variables built whole), if it is split."""
     state = state_of(optimizer)
-    return None if state is None else state.whole_values()
+    if state is None:
+        return None
+    own = [_numpy(v) for v in loss_scaling.own_variables(loss_scaling.scaler_and_inner(optimizer)[0])]
+    return own + state.whole_values()
 
 
 def load_whole_state(optimizer: Any, values: Sequence[Any]) -> bool:
     """Loads whole saved values into `optimizer`'s pieces, or keeps them for its first update when its
     strategy shards its state and it has no pieces yet; False when its state is not split."""
     state = state_of(optimizer)
+    scaler, _ = loss_scaling.scaler_and_inner(optimizer)
+    own = loss_scaling.own_variables(scaler)
     if state is not None:
-        state.load(values)
+        for variable, value in zip(own, values):
+            variable.assign(value)
+        state.load(values[len(own):])
         return True
     unbuilt = not optimizer.built or getattr(optimizer, _LEFT_UNBUILT, False)
+    if scaler is not None and unbuilt and shards_state(optimizer):
+        keep_pending(optimizer, [np.asarray(v) for v in values])  # its own variables are not made yet
+        return True
     if unbuilt and len(values) > len(optimizer.variables) and shards_state(optimizer):
         values = [np.asarray(v) for v in values]
         # An optimizer's own variables (iterations, learning rate) come first in its whole state.

@@ -19,6 +19,7 @@ from keras import ops
 from keras_strategies.backend import engine
 from keras_strategies.sharding import flat_shards
 from keras_strategies.sharding import gradient_pieces
+from keras_strategies.sharding import loss_scaling
 
 
 class ScatteredUpdate:
@@ -55,17 +56,24 @@ class ScatteredUpdate:
         # In one process the pieces are whole after this worker's sums: their squares in the same program.
         squares_in_reduce = squares_needed and workers == 1
         width = workers * k  # the pieces device i sums over its worker's replicas
-        incoming = self._on_each([[cut[r][i][position] for r in range(local) for position in range(width)]
+        # A LossScaleOptimizer's scale, which each device unscales its sums by: in a cluster after
+        # the workers' sum, which may overflow where this worker's does not (as the whole sum would).
+        scale = self._scale()
+        incoming = self._on_each([[cut[r][i][position] for r in range(local) for position in range(width)] + scale
                                   for i in range(local)])
-        sums, squares = [], []
+        sums, squares, flags = [], [], []
         for i, device in enumerate(self.devices):
-            reduce = self._part(f"reduce-{i}", present,
-                                lambda values: self._reduce(values, local, width, squares_in_reduce))
+            reduce = self._part(f"reduce-{i}", present, lambda values: self._reduce(
+                values, local, width, squares_in_reduce, bool(scale), unscales=workers == 1))
             with engine.devices.device_scope(device):
-                sums_i, squares_i = reduce(incoming[i])
+                sums_i, squares_i, finite_i = reduce(incoming[i])
             sums.append(sums_i)
             squares.append(squares_i)
+            flags.append(finite_i)
         pieces = sums if workers == 1 else self._scattered(sums, k)
+        if scale and workers > 1:
+            pieces, flags = self._unscaled(pieces, [values[-1] for values in incoming], present)
+        finite = self._finite_everywhere(flags) if scale else None
         if squares_needed and not squares_in_reduce:  # of the pieces summed over the workers
             squares = []
             for i, device in enumerate(self.devices):
@@ -74,9 +82,29 @@ class ScatteredUpdate:
                     squares.append(square(pieces[i]))
         factors = self._clip_factors(squares, present) if squares_needed else None
         current = self._pieces_current(present)
-        cut_variables, _ = self._part(f"cut-{current}", present, functools.partial(self._cut, present))(
+        cut_variables, _, _ = self._part(f"cut-{current}", present, functools.partial(self._cut, present))(
             self._to_cut(present, current), None)
-        self._update(cut_variables, pieces, present, factors, clip=not self._accumulates)
+        self._update(cut_variables, pieces, present, factors, clip=not self._accumulates, finite=finite)
+
+    def _unscaled(self, pieces: list, scales: list, present: tuple) -> tuple:
+        """Each device's pieces (summed over every worker) divided by the loss scale (`scales[i]`,
+        there), and whether they were finite."""
+        unscaled, flags = [], []
+        for i, device in enumerate(self.devices):
+            unscale = self._part(f"unscale-{i}", present, lambda values, scale: (
+                [value / scale for value in values], self.scaler.check_finite(values)))
+            with engine.devices.device_scope(device):
+                values, finite = unscale(pieces[i], scales[i])
+            unscaled.append(values)
+            flags.append(finite)
+        return unscaled, flags
+
+    def _finite_everywhere(self, flags: list) -> Any:
+        """Whether every device's sums (of every worker) were finite, on the host device."""
+        host = self.host
+        on_host = engine.devices.place_each(flags, [host] * len(flags))
+        with engine.devices.device_scope(host):
+            return loss_scaling.finite_everywhere(on_host, self.layout.summed_across_workers)
 
     def _scattered(self, sums: list, k: int) -> list:
         """Each local device's own pieces summed over every worker (`sums[i]`: device i's sums over
@@ -89,16 +117,21 @@ class ScatteredUpdate:
         own = self.layout.scattered_across_workers(stacked)
         return self._on_each([[own[i * k + position] for position in range(k)] for i in range(len(self.devices))])
 
-    def _reduce(self, incoming: list, n: int, width: int, squares_needed: bool) -> tuple:
-        """On device i: each of its `width` pieces summed over the `n` replicas (unscaled), and the
-        sums of their squared elements where clipping needs norms."""
-        scale = self.optimizer.loss_scale_factor
-        pieces = []
-        for position in range(width):
-            total = gradient_pieces.summed([incoming[r * width + position] for r in range(n)])
-            pieces.append(total if scale is None else total / scale)
+    def _reduce(self, incoming: list, n: int, width: int, squares_needed: bool, scaled: bool,
+                unscales: bool = True) -> tuple:
+        """On device i: each of its `width` pieces summed over the `n` replicas (unscaled, unless
+        not `unscales`: by the loss scale that ends `incoming` where `scaled`), the sums of their
+        squared elements where clipping needs norms, and where `scaled` and unscaled here, whether
+        the sums were finite."""
+        scale, finite = self.optimizer.loss_scale_factor, None
+        if scaled:
+            incoming, scale = incoming[:-1], incoming[-1] if unscales else None
+        totals = [gradient_pieces.summed([incoming[r * width + position] for r in range(n)]) for position in range(width)]
+        if scaled and unscales:
+            finite = self.scaler.check_finite(totals)
+        pieces = [total if scale is None else total / scale for total in totals]
         squares = [ops.sum(ops.square(piece)) for piece in pieces] if squares_needed else []
-        return pieces, squares
+        return pieces, squares, finite
 
     def _clip_factors(self, squares: list, present: tuple) -> Any:
         """The optimizer's clipping factors from each device's sums of its pieces' squares

@@ -27,7 +27,7 @@ from keras_strategies.distribute.values import PerReplica
 from keras_strategies.distribute.strategy import Strategy
 from keras_strategies.multi_worker.communication import CommunicationOptions
 from keras_strategies.multi_worker.worker_cluster import resolve
-from keras_strategies.sharding import optimizer_state
+from keras_strategies.sharding import loss_scaling, optimizer_state
 from keras_strategies.sharding.gradient_pieces import ReplicaGradients
 from keras_strategies.strategies.mirrored import MirroredExtended
 from keras_strategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, check_communication_options
@@ -157,11 +157,16 @@ class MultiWorkerShardedExtended(ShardedUpdates, MultiWorkerMirroredExtended):
             return
         state = self._state_for(optimizer, variables)
         if self._broadcast_from_chief(1 if state.loaded_here is not None else 0):
-            zeros = state.whole_zeros()
-            mine = state.loaded_here if self._cluster.is_chief else zeros
+            own = loss_scaling.own_variables(state.scaler)  # a LossScaleOptimizer's scale and counter
+            own_values = [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in own]
+            zeros = [np.zeros_like(v) for v in own_values] + state.whole_zeros()
+            mine = own_values + state.loaded_here if self._cluster.is_chief else zeros
             chiefs = self._cross_worker_sum([np.asarray(v, z.dtype) for v, z in zip(mine, zeros)],
                                             "broadcast of the chief's optimizer state")
-            state.load([np.asarray(keras.ops.convert_to_numpy(v)) for v in chiefs])
+            chiefs = [np.asarray(keras.ops.convert_to_numpy(v)) for v in chiefs]
+            for variable, value in zip(own, chiefs):
+                variable.assign(value)
+            state.load(chiefs[len(own):])
         state.loaded_here = None
 
     def _summed_over_workers(self, values: list) -> list:
@@ -192,8 +197,10 @@ class ShardedDataParallelStrategy(Strategy):
     the logged loss and the metrics equal one device with the same global
     batch; a variable of any shape is cut into N equal flat pieces (the last
     one padded). The optimizer's update must be elementwise (SGD, Adam, AdamW,
-    RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion). Checkpoints hold the
-    state whole, so they load under any strategy and replica count.
+    RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion); `use_ema`'s averages,
+    accumulated gradients and a `LossScaleOptimizer`'s inner state are sharded
+    with the slots. Checkpoints hold the state whole, so they load under any
+    strategy and replica count.
 
     Where the launcher's environment describes a cluster (`TF_CONFIG`, or
     torchrun's, a SLURM step's or mpirun's variables), or a `cluster_resolver`

@@ -108,6 +108,10 @@ class ReplicaStep:
         optimizer = self.model.optimizer
         if not isinstance(optimizer, LossScaleOptimizer) and getattr(optimizer, "loss_scale_factor", None) is None:
             return 1.0  # no blocking read of a constant 1 every step
+        if isinstance(optimizer, LossScaleOptimizer) and not optimizer.built:
+            # Unbuilt, it scales by its initial scale; built (in pieces, under a sharded strategy), by
+            # the scale a checkpoint may have loaded into it.
+            self.strategy.extended._prepare_update(optimizer, self.model.trainable_variables)
         return float(ops.convert_to_numpy(optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32"))))
 
     def _weights(self, shards: Shards, loss_scale: float) -> list:

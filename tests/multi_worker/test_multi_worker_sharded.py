@@ -1,4 +1,4 @@
-"""`ShardedDataParallelStrategy` on two real worker processes on 127.0.0.1 (stage 1).
+"""`ShardedDataParallelStrategy` on two real worker processes on 127.0.0.1 (stages 1 and 2).
 
 On 2 workers x 1 and 2 workers x 2 devices: `fit` / `evaluate` / `predict` and the guide's
 custom loop equal one process on the same global batch within 1e-5 (50 samples in global
@@ -19,7 +19,8 @@ from mw_launch import PROGRAMS, worker_results
 from test_multi_worker_training import _load, _weights
 
 sys.path.insert(0, PROGRAMS)
-from common import GLOBAL_BATCH, adam, build_model, data, keras_run  # noqa: E402
+from common import (GLOBAL_BATCH, adam, build_embedding_model, build_model, build_scaled_averaged_model,  # noqa: E402
+                    data, embedding_data, keras_run, scaled_data)
 from reference_loops import average_loss, split, squared_error, train  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -105,3 +106,23 @@ def test_custom_loop_equals_one_process(run, stage):
     for worker in results:
         np.testing.assert_allclose(worker[f"{prefix}_losses"], losses, **TOL)
         _assert_close(_weights(worker, f"{prefix}_weights"), model.get_weights())
+
+
+@pytest.mark.parametrize("name", ["scaled", "embedding"])
+def test_stage_2_with_a_loss_scale_optimizer_averages_or_an_embedding_equals_one_process(run, name):
+    """A LossScaleOptimizer (steps skipped while the gradients overflow, the scale of every worker
+    the same) over use_ema's averages; an Embedding, whose gradient is sliced on TensorFlow."""
+    out, _, results = run
+    build, fit_data = {"scaled": (build_scaled_averaged_model, scaled_data),
+                       "embedding": (build_embedding_model, embedding_data)}[name]
+    model = build()
+    model.set_weights(_load(out / f"sharded_{name}_initial.npz"))
+    expected = keras_run(model, *fit_data())
+    iterations = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    if name == "scaled":
+        assert 0 < iterations < 8  # of 8 steps, some were skipped
+    for worker in results:
+        assert int(worker[f"{name}_iterations"]) == iterations
+        for key in ("loss", "mae", "evaluate", "predict"):
+            np.testing.assert_allclose(worker[f"{name}_{key}"], expected[key], err_msg=key, **TOL)
+        _assert_close(_weights(worker, f"{name}_weights"), expected["weights"])

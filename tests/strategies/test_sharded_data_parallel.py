@@ -153,13 +153,26 @@ def test_each_device_holds_its_piece_of_the_optimizer_state(stage):
         np.asarray(v.numpy()).nbytes for v, ref in zip(state.optimizers[0].variables, state.references) if ref is None)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_custom_loop_equals_one_device(stage):
-    """`strategy.run` with `optimizer.apply_gradients`: the gradients summed (at stage 2
-    reduce-scattered), the update in pieces."""
-    strategy = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage)
-    model, reference = sharded_and_reference(strategy, OPTIMIZERS["adam-global-clipnorm"])
+def loss_scaled():
+    """A LossScaleOptimizer whose first scales overflow gradients of targets x100 (`scaled_data`)."""
+    return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.02, global_clipnorm=0.5),
+                                               initial_scale=2.0 ** 127, dynamic_growth_steps=2)
+
+
+def scaled_data():
     x, y = data()
+    return x, y * 100.0
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["adam", "loss-scaled"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_custom_loop_equals_one_device(stage, scaled):
+    """`strategy.run` with `optimizer.apply_gradients`: the gradients summed (at stage 2
+    reduce-scattered), the update in pieces; with a LossScaleOptimizer, the loss scaled by the
+    guide's `optimizer.scale_loss` and overflowing steps skipped, as in `fit`."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage)
+    model, reference = sharded_and_reference(strategy, loss_scaled if scaled else OPTIMIZERS["adam-global-clipnorm"])
+    x, y = scaled_data() if scaled else data()
     global_batch = 6
     dataset = strategy.experimental_distribute_dataset(
         strategy.make_experimental_numpy_dataset((x, y)).batch(global_batch))
@@ -167,7 +180,8 @@ def test_custom_loop_equals_one_device(stage):
     def replica_step(inputs, targets):
         def loss_fn():
             per_example = keras.ops.mean(keras.ops.square(model(inputs) - targets), axis=-1)
-            return ks.compute_average_loss(per_example)  # the actual global batch: 6, 6, then 2 rows
+            # The actual global batch: 6, 6, then 2 rows.
+            return model.optimizer.scale_loss(ks.compute_average_loss(per_example))
 
         loss, grads = ks.value_and_grad(loss_fn, model.trainable_variables)
         model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -177,14 +191,17 @@ def test_custom_loop_equals_one_device(stage):
     def step(inputs, targets):
         return strategy.run(replica_step, args=(inputs, targets))
 
-    for inputs, targets in dataset:
-        step(inputs, targets)
-    for start in range(0, ROWS, global_batch):
-        reference.train_on_batch(x[start:start + global_batch], y[start:start + global_batch])
+    for _ in range(3 if scaled else 1):
+        for inputs, targets in dataset:
+            step(inputs, targets)
+        for start in range(0, ROWS, global_batch):
+            reference.train_on_batch(x[start:start + global_batch], y[start:start + global_batch])
     assert_close(model.get_weights(), reference.get_weights())
-    assert_close(strategy.extended.optimizer_state(model.optimizer).whole_values(),
+    own = [v.numpy() for v in model.optimizer.variables[:4]] if scaled else []  # the scaler's, then the inner's
+    assert_close(own + strategy.extended.optimizer_state(model.optimizer).whole_values(),
                  [v.numpy() for v in reference.optimizer.variables])
-    assert not model.optimizer.built  # its state lives in pieces only, never whole
+    # Its state lives in pieces only, never whole.
+    assert not (model.optimizer.inner_optimizer if scaled else model.optimizer).built
 
 
 def trained_under(replicas, path):
@@ -256,7 +273,6 @@ def test_refusals_name_the_fix():
         ks.experimental.ShardedDataParallelStrategy(stage=3)
     x, y = data()
     for optimizer, match in ((lambda: keras.optimizers.Adafactor(), "Adafactor reads whole rows"),
-                             (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "mixed_bfloat16"),
                              (lambda: keras.optimizers.SGD(gradient_accumulation_steps=2, clipnorm=1.0),
                               "with gradient_accumulation_steps use clipvalue")):
         strategy = ks.experimental.ShardedDataParallelStrategy(devices(2))
@@ -287,9 +303,67 @@ def test_moving_averages_are_kept_in_pieces_and_written_like_one_device(stage):
     assert not model.optimizer.built and kernel.shape == (FEATURES, 7)
 
 
-@pytest.mark.parametrize("clipping", [{}, {"global_clipnorm": 1.0}], ids=["slices", "clipped"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_an_embedding_trained_with_adam_equals_one_device(stage, clipping):
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_a_loss_scale_optimizer_skips_and_rescales_like_one_device(replicas, stage):
+    """`LossScaleOptimizer` over a sharded Adam: targets and a scale so large that the gradients
+    overflow at first (those steps are skipped and the scale halved), then doubled after 2 finite
+    steps, which overflows again."""
+    strategy = ks.experimental.ShardedDataParallelStrategy(devices(replicas), stage=stage)
+    model, reference = sharded_and_reference(strategy, loss_scaled)
+    x, y = scaled_data()
+    kwargs = dict(batch_size=6, epochs=3, shuffle=False, verbose=0)
+    got, expected = model.fit(x, y, **kwargs).history, reference.fit(x, y, **kwargs).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+    assert_close(model.get_weights(), reference.get_weights())
+    skipped = 9 - int(keras.ops.convert_to_numpy(reference.optimizer.iterations))
+    assert 0 < skipped < 9  # both kinds of step happened
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 9 - skipped
+    state = strategy.extended.optimizer_state(model.optimizer)
+    assert state is strategy.extended.optimizer_state(model.optimizer.inner_optimizer)
+    assert not model.optimizer.inner_optimizer.built
+    # The whole state as Keras' own holds it: the scaler's variables, then the inner optimizer's.
+    assert [v.name for v in model.optimizer.variables[:4]] == [v.name for v in reference.optimizer.variables[:4]]
+    assert_close([v.numpy() for v in model.optimizer.variables[:4]],
+                 [v.numpy() for v in reference.optimizer.variables[:4]])
+    assert_close(state.whole_values(), [v.numpy() for v in reference.optimizer.inner_optimizer.variables])
+
+
+def test_a_loss_scale_optimizer_saved_under_four_replicas_loads_under_two_and_under_none(tmp_path):
+    model, reference = sharded_and_reference(ks.experimental.ShardedDataParallelStrategy(devices(4)), loss_scaled)
+    x, y = scaled_data()
+    kwargs = dict(batch_size=6, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, **kwargs)
+    reference.fit(x, y, **kwargs)
+    path = str(tmp_path / "scaled.keras")
+    model.save(path)
+    plain = keras.models.load_model(path)
+    assert_close([v.numpy() for v in plain.optimizer.variables], [v.numpy() for v in reference.optimizer.variables])
+    two = ks.experimental.ShardedDataParallelStrategy(devices(2))
+    with two.scope():
+        resumed = keras.models.load_model(path)
+    for trained in (plain, resumed, reference):
+        trained.fit(x, y, **kwargs)
+    assert not resumed.optimizer.inner_optimizer.built
+    assert_close([v.numpy() for v in resumed.optimizer.variables[:4]],
+                 [v.numpy() for v in reference.optimizer.variables[:4]])
+    assert_close(two.extended.optimizer_state(resumed.optimizer).whole_values(),
+                 [v.numpy() for v in reference.optimizer.inner_optimizer.variables])
+    assert_close(resumed.get_weights(), reference.get_weights())
+    assert_close(plain.get_weights(), reference.get_weights())
+
+
+EMBEDDING_OPTIMIZERS = {
+    "slices": lambda: keras.optimizers.Adam(0.05),
+    "clipped": lambda: keras.optimizers.Adam(0.05, global_clipnorm=1.0),
+    # Keras' LossScaleOptimizer divides the slices by its scale, which makes them dense.
+    "loss-scaled": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05), initial_scale=2.0 ** 8),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(EMBEDDING_OPTIMIZERS))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_embedding_trained_with_adam_equals_one_device(stage, optimizer):
     # On TensorFlow an Embedding's gradient is an IndexedSlices, which Keras' Adam applies slice by
     # slice (squaring each before the repeated tokens add up): each device's piece takes the slices
     # of its elements, so the pieces' update equals the whole one.
@@ -299,7 +373,7 @@ def test_an_embedding_trained_with_adam_equals_one_device(stage, clipping):
     def build_embedding():
         model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
                                   keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.Adam(0.05, **clipping), loss="mse")
+        model.compile(optimizer=EMBEDDING_OPTIMIZERS[optimizer](), loss="mse")
         return model
 
     strategy = ks.experimental.ShardedDataParallelStrategy(devices(2), stage=stage)
@@ -309,7 +383,8 @@ def test_an_embedding_trained_with_adam_equals_one_device(stage, clipping):
     expected = reference.fit(tokens, y, **kwargs).history
     assert_close([history["loss"]], [expected["loss"]])
     assert_close(model.get_weights(), reference.get_weights())
-    assert_close(strategy.extended.optimizer_state(model.optimizer).whole_values(),
+    own = [v.numpy() for v in model.optimizer.variables[:4]] if optimizer == "loss-scaled" else []
+    assert_close(own + strategy.extended.optimizer_state(model.optimizer).whole_values(),
                  [v.numpy() for v in reference.optimizer.variables])
 
 
@@ -352,15 +427,17 @@ def test_backup_and_restore_resumes_exactly_under_another_replica_count(tmp_path
     assert_close(resumed.get_weights(), reference.get_weights())
 
 
-def test_mixed_bfloat16_equals_one_device_to_its_precision():
-    """Layers computing in bfloat16 (float32 variables, no loss scaling)."""
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_equals_one_device_to_its_precision(policy):
+    """Layers computing in bfloat16 (no loss scaling) or float16 (a LossScaleOptimizer), float32 variables."""
     def optimizer():
-        return keras.optimizers.Adam(0.02)
+        adam = keras.optimizers.Adam(0.02)
+        return keras.optimizers.LossScaleOptimizer(adam) if policy == "mixed_float16" else adam
 
     def mixed():
         model = keras.Sequential([keras.Input((FEATURES,)),
-                                  keras.layers.Dense(7, activation="tanh", dtype="mixed_bfloat16"),
-                                  keras.layers.Dense(3, dtype="mixed_bfloat16")])
+                                  keras.layers.Dense(7, activation="tanh", dtype=policy),
+                                  keras.layers.Dense(3, dtype=policy)])
         model.compile(loss="mse", optimizer=optimizer())
         return model
 

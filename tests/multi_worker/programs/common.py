@@ -139,6 +139,24 @@ def embedding_run(model, x, y):
     return keras_run(model, *embedding_data())
 
 
+def scaled_data(n=N):
+    """`data()` with targets x10: under a loss scale of 2^122 their gradients overflow."""
+    x, y = data(n)
+    return x, y * 10.0
+
+
+def build_scaled_averaged_model():
+    """`build_model` with a LossScaleOptimizer around an Adam keeping use_ema's averages: on
+    `scaled_data()` the first scales overflow the gradients (those steps are skipped and the scale
+    halved) and the scale doubles after 2 finite steps; the averages overwrite the weights every 3
+    steps and when `fit` ends."""
+    model = build_model()
+    inner = keras.optimizers.Adam(0.01, global_clipnorm=1.0, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3)
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**122, dynamic_growth_steps=2),
+                  loss="mse", metrics=["mae"])
+    return model
+
+
 def build_mixed_model(policy):
     """`build_model` under a mixed-precision policy: predictions and activations in half floats.
 

@@ -1,7 +1,8 @@
 """One worker of a multi-worker run of `ShardedDataParallelStrategy`: at stage 1, fit / evaluate /
 predict, the guide's custom loop, what each replica stores, and whole checkpoints; at stage 2
 (the gradients reduce-scattered across the workers), fit / evaluate / predict, the custom loop
-and the gradient bytes each replica held.
+and the gradient bytes each replica held, and fit with a LossScaleOptimizer over use_ema's
+averages and with an Embedding.
 
 Each worker starts from different random weights (the chief's must win); the chief writes the
 initial weights, from which the test computes the single-process reference, and the model saved
@@ -22,7 +23,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import GLOBAL_BATCH, adam, build_model, data, guide_loop, keras_run  # noqa: E402
+from common import (GLOBAL_BATCH, adam, build_embedding_model, build_model, build_scaled_averaged_model,  # noqa: E402
+                    data, embedding_data, guide_loop, keras_run, scaled_data)
 
 out = sys.argv[1]
 task_id = strategy.cluster_resolver.task_id
@@ -83,6 +85,22 @@ for key, value in keras_run(model_2, *data()).items():
 results["gradient_bytes_2"] = np.array(stage_2.extended.optimizer_state(model_2.optimizer).gradient_bytes)
 results["loop2_losses"] = np.asarray(guide_loop(stage_2, loop_model_2, optimizer_2, dataset, ks))
 results.update({f"loop2_weights_{i}": w for i, w in enumerate(loop_model_2.get_weights())})
+
+# Stage 2 with a LossScaleOptimizer over an Adam keeping use_ema's averages, and with an Embedding
+# (whose gradient is sliced on TensorFlow).
+keras.utils.set_random_seed(400 + task_id)
+with stage_2.scope():
+    more = {"scaled": (build_scaled_averaged_model(), scaled_data()),
+            "embedding": (build_embedding_model(), embedding_data())}
+for name, (fitted, fit_data) in more.items():
+    if stage_2.extended.should_checkpoint:
+        np.savez(os.path.join(out, f"sharded_{name}_initial.npz"), *fitted.get_weights())
+    for key, value in keras_run(fitted, *fit_data).items():
+        if key == "weights":
+            results.update({f"{name}_weights_{i}": w for i, w in enumerate(value)})
+        else:
+            results[f"{name}_{key}"] = np.asarray(value)
+    results[f"{name}_iterations"] = int(keras.ops.convert_to_numpy(fitted.optimizer.iterations))
 
 np.savez(os.path.join(out, f"sharded_worker_{task_id}.npz"), **results)
 print("SHARDED DONE", flush=True)
