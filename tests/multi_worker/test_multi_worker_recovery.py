@@ -21,7 +21,7 @@ from keras_strategies.launcher.supervisor import worker_env
 from mw_launch import PROGRAMS, check, run_program
 
 sys.path.insert(0, PROGRAMS)
-from common import GLOBAL_BATCH, build_model, data  # noqa: E402
+from common import GLOBAL_BATCH, build_loss_scaled_model, build_model, data  # noqa: E402
 
 TIMEOUT_SECONDS = 30  # the programs' CommunicationOptions(timeout_seconds=...)
 # A killed worker fails the others about 10 s after it died (`health.DEAD_AFTER` without heartbeats):
@@ -136,15 +136,16 @@ def test_a_stopped_worker_fails_the_chief_within_timeout_seconds_naming_it(tmp_p
 def resumed(request, tmp_path_factory):
     """A launch with `max_restarts=1` whose first attempt loses worker 1 in epoch 2, under
     MultiWorkerMirroredStrategy or ShardedDataParallelStrategy (whose optimizer state lives in
-    pieces over the workers: the chief's restored backup must reach every worker's pieces)."""
+    pieces over the workers: the chief's restored backup must reach every worker's pieces, and its
+    LossScaleOptimizer's scale every worker)."""
     out = tmp_path_factory.mktemp(f"restart_{request.param}")
     args = [out, "restart"] + (["sharded"] if request.param == "sharded" else [])
     run = run_program("recover.py", args, workers=2, devices_per_worker=1, timeout=480, max_restarts=1)
-    return out, check(run)
+    return out, check(run), request.param
 
 
 def test_the_launcher_restarts_every_worker_once_a_worker_dies(resumed):
-    _, run = resumed
+    _, run, _ = resumed
     assert "[worker 1] KILLING worker 1" in run.stdout, run.stdout
     assert "worker 1 was killed by SIGKILL" in run.stderr, run.stderr[-3000:]
     assert "restarting all 2 processes (restart 1 of 1)" in run.stderr, run.stderr[-3000:]
@@ -152,9 +153,9 @@ def test_the_launcher_restarts_every_worker_once_a_worker_dies(resumed):
 
 
 def test_restart_resumes_from_the_chiefs_backup_and_equals_an_uninterrupted_run(resumed):
-    out, _ = resumed
+    out, _, strategy = resumed
     x, y = data()
-    model = build_model()
+    model = build_loss_scaled_model() if strategy == "sharded" else build_model()
     archive = np.load(out / "initial.npz")
     model.set_weights([archive[f"arr_{i}"] for i in range(len(archive.files))])
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0)
@@ -165,7 +166,7 @@ def test_restart_resumes_from_the_chiefs_backup_and_equals_an_uninterrupted_run(
 
 
 def test_only_the_chief_writes_files_and_prints_progress(resumed):
-    out, run = resumed
+    out, run, _ = resumed
     leftovers = [os.path.join(root, name) for root, dirs, files in os.walk(out) for name in dirs + files
                  if "workertemp" in name]
     assert not leftovers, leftovers

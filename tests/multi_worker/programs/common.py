@@ -157,6 +157,16 @@ def build_scaled_averaged_model():
     return model
 
 
+def build_loss_scaled_model():
+    """`build_model` with its Adam in a LossScaleOptimizer whose scale doubles every 2 steps (the
+    gradients stay finite): a worker that lost its scale would unscale by another one."""
+    model = build_model()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01, global_clipnorm=1.0),
+                                                                initial_scale=2.0**8, dynamic_growth_steps=2),
+                  loss="mse", metrics=["mae"])
+    return model
+
+
 def build_mixed_model(policy):
     """`build_model` under a mixed-precision policy: predictions and activations in half floats.
 

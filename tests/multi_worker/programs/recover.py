@@ -9,7 +9,8 @@ instead (its heartbeats go on); the chief must fail after `timeout_seconds`. `st
 itself with SIGSTOP (alive, its connections open, no heartbeats); the chief must fail within
 `timeout_seconds`. `resume` phase: all workers start again, resume from the chief's backup and
 finish; the chief alone writes. `recover.py OUT PHASE sharded` trains under
-`ShardedDataParallelStrategy` instead (the optimizer's state split over the workers' replicas).
+`ShardedDataParallelStrategy` instead (the optimizer's state split over the workers' replicas),
+with a LossScaleOptimizer whose changing scale every worker must get back.
 """
 
 import os
@@ -31,7 +32,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import GLOBAL_BATCH, build_model, data  # noqa: E402
+from common import GLOBAL_BATCH, build_loss_scaled_model, build_model, data  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
 first_attempt = os.environ.get("KERAS_STRATEGIES_RESTART_COUNT", "0") == "0"
@@ -47,7 +48,7 @@ if phase == "restart" and not first_attempt and task_id == 1:
     shutil.rmtree(os.path.join(out, "workertemp_1"), ignore_errors=True)
 
 with strategy.scope():
-    model = build_model()
+    model = build_loss_scaled_model() if sys.argv[3:] == ["sharded"] else build_model()
 if phase in ("crash", "restart") and first_attempt and strategy.extended.should_checkpoint:
     np.savez(os.path.join(out, "initial.npz"), *model.get_weights())
 
