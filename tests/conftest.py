@@ -8,10 +8,13 @@ side by side; their tests that start processes take turns (below).
 """
 
 import atexit
+import contextlib
 import fcntl
 import os
+import resource
 import shutil
 import tempfile
+import time
 
 os.environ.setdefault("KERAS_STRATEGIES_CPU_DEVICES", "4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -155,6 +158,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    """Holds the process lock for a process test (`_process_lock`); logs each test's CPU time
+    where `KS_TEST_CPU_LOG` names a file (`_cpu_time_logged`)."""
+    with _cpu_time_logged(item), _process_lock(item):
+        yield
+
+
+@contextlib.contextmanager
+def _process_lock(item):
     """Holds the shared lock for a process test: shared, or alone for a test that bounds a time.
 
     A second file is a turnstile: a test waiting to hold the lock alone keeps new holders out
@@ -175,3 +186,26 @@ def pytest_runtest_protocol(item, nextitem):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _cpu_seconds():
+    return sum(usage.ru_utime + usage.ru_stime
+               for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@contextlib.contextmanager
+def _cpu_time_logged(item):
+    """Appends `cpu seconds, wall seconds, run, test` to the file `KS_TEST_CPU_LOG` names: the CPU
+    time of the test's set-up, call and tear-down, its processes' included (once they have ended).
+    On a shared machine wall times say little; these show what makes the suite long."""
+    path = os.environ.get("KS_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    try:
+        yield
+    finally:
+        run = f"{BACKEND}-{os.environ.get('KS_TEST_SELECT', 'all')}{'-first' if os.environ.get('KS_TEST_FIRST_VARIANTS') else ''}"
+        with open(path, "a") as log:
+            log.write(f"{_cpu_seconds() - cpu:.2f}\t{time.monotonic() - wall:.2f}\t{run}\t{item.nodeid}\n")

@@ -9,6 +9,7 @@ one creates another strategy for the same cluster, which shares it.
 import os
 import runpy
 import sys
+import time
 
 programs, current = [], []
 for arg in sys.argv[1:] + ["--"]:
@@ -25,8 +26,10 @@ for name, *args in programs:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     sys.argv = [path, *args]
     print(f"=== {name} {' '.join(args)}", flush=True)
+    started = time.monotonic()
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as stop:  # a program that ends early with sys.exit(0) lets the next one run
         if stop.code not in (0, None):
             raise
+    print(f"=== {name} took {time.monotonic() - started:.1f} s", flush=True)
