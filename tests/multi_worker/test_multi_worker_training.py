@@ -23,6 +23,7 @@ from common import (  # noqa: E402
     build_penalty_model, build_sync_bn_model, build_two_output_model, data, embedding_run, evaluate_first_run, keras_run,
     reshuffled_run, seeded_shuffle_run, stopped_run, two_output_run, uneven_run,
 )
+import hub_models  # noqa: E402
 from reference_loops import average_loss, split, squared_error, train  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -334,13 +335,12 @@ def test_the_launcher_relays_no_gloo_connection_lines(run):
     assert "[worker 0]" in launched.stdout and "[Gloo]" not in launched.stdout + launched.stderr, launched
 
 
-@pytest.mark.parametrize("model_name", ["bert_classifier", "gpt2_causal_lm", "resnet_classifier"])
+@pytest.mark.parametrize("model_name", hub_models.TWO_WORKER_MODELS)
 def test_keras_hub_models_on_two_workers_equal_a_single_process_run(tmp_path_factory, model_name):
-    """keras-hub's task models (`programs/hub_models.py`) fitted by two workers equal one process on
-    the global batch (ResNet's BatchNormalization normalizes each worker's rows by their own
-    statistics, as under tf.distribute: there, inference with the trained weights does)."""
-    import hub_models
-
+    """keras-hub's task models (`programs/hub_models.TWO_WORKER_MODELS`) fitted by two workers equal
+    one process on the global batch (a model with BatchNormalization, which normalizes each
+    worker's rows by their own statistics as under tf.distribute, is checked by its inference
+    with the trained weights)."""
     out = run_together(("keras_hub_fit.py",), 1, tmp_path_factory)
     workers = [np.load(out / f"hub_worker_{i}.npz") for i in range(2)]
     build, make_data, batch_normalized = hub_models.MODELS[model_name]

@@ -1,4 +1,4 @@
-"""One worker of a two-worker run of keras-hub's task models (`hub_models.py`): fit, evaluate,
+"""One worker of a two-worker run of keras-hub's task models (`hub_models.TWO_WORKER_MODELS`): fit, evaluate,
 predict, save (the chief's file) and load under `MultiWorkerMirroredStrategy`.
 
 Each worker starts from different random weights (the chief's must win); the chief writes each
@@ -22,7 +22,8 @@ import hub_models  # noqa: E402
 out = sys.argv[1]
 task_id = strategy.cluster_resolver.task_id
 results = {}
-for name, (build, make_data, _) in hub_models.MODELS.items():
+for name in hub_models.TWO_WORKER_MODELS:
+    build, make_data, _ = hub_models.MODELS[name]
     keras.utils.set_random_seed(100 + task_id)
     data = make_data()
     with strategy.scope():
