@@ -72,6 +72,7 @@ class HealthMonitor:
         self._seen = {i: (None, now, 0) for i in self._peers}
         self._store_ok_at = now
         self._store_failing_since: Optional[float] = None  # calls to the store raise since then
+        self._store_error = ""  # what the last failing call raised (named when contact is lost)
         # The store's host refused a connection: its process is gone, so no more store calls (each
         # failing one costs a timeout, and torch logs it with a C++ stack).
         self._store_gone = False
@@ -162,7 +163,8 @@ class HealthMonitor:
                 if not self._store_gone:
                     self._kv_set(self._key(self._me), f"{seq} {self._completed}")
                     values = {i: self._kv_try_get(self._key(i)) for i in self._peers}
-            except Exception:  # noqa: BLE001 - the store is gone: the watchdog reports the chief
+            except Exception as error:  # noqa: BLE001 - the store is gone: the watchdog reports the chief
+                self._store_error = f"{type(error).__name__}: {str(error).strip()[:200]}"
                 if self._me != 0 and self._store_refuses():
                     self._store_gone = True
             now = time.monotonic()
@@ -183,8 +185,11 @@ class HealthMonitor:
         # Calls to the store that fail, not calls that are slow (a busy chief answers late).
         failing = self._store_failing_since
         if self._me != 0 and failing is not None and now - failing > self._dead_after:
+            # What the calls raised, where the chief's address still takes connections (a refusal says it all).
+            raised = f"; its store's calls raised {self._store_error}" if self._store_error else ""
+            raised = "" if self._store_gone else raised
             return (f"lost contact with {self._cluster.describe(0)}, which hosts the cluster's "
-                    f"store, for {now - self._store_ok_at:.0f} s: it died or the network failed")
+                    f"store, for {now - self._store_ok_at:.0f} s: it died or the network failed{raised}")
         # A peer that left after completing this collective is not missed by it.
         left = [p for p in self._peers if self._state(p)[0] == LEFT and self._state(p)[1] <= self._completed]
         if left:

@@ -270,6 +270,30 @@ def test_watchdog_counts_failing_store_calls_as_lost_contact_but_not_slow_ones()
         monitor.stop()
 
 
+def test_lost_contact_with_a_chief_that_still_takes_connections_names_what_the_store_calls_raised():
+    # The chief's address accepts connections (its process lives) but the store's calls fail: the
+    # error says what they raised, which tells a stalled or overloaded chief from a broken network.
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        spec = ks.ClusterSpec({"worker": [f"127.0.0.1:{listening.getsockname()[1]}", "127.0.0.1:2"]})
+        second = resolve(SimpleClusterResolver(spec, task_type="worker", task_id=1))
+        store = _Store()
+
+        def try_get(key):
+            raise RuntimeError("UNAVAILABLE: the service did not answer")
+
+        monitor = HealthMonitor(second, store.set, try_get, timeout=60, dead_after=1.0, interval=0.1)
+        try:
+            monitor.begin("gradient all-reduce")
+            error = _wait_for_error(monitor, 5)
+            assert error is not None and "lost contact with worker 0" in str(error), error
+            assert "its store's calls raised RuntimeError: UNAVAILABLE: the service did not answer" in str(error), error
+            monitor.end()
+        finally:
+            monitor.stop()
+
+
 def test_a_collective_failed_by_a_dead_chief_names_it_at_once_and_the_store_is_called_no_more():
     # Nothing listens on the chief's store port (it died): a refused connection says so at once,
     # without the heartbeats' wait, and no further store call is made (torch logs each failing one
