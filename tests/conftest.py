@@ -206,6 +206,7 @@ def _cpu_time_logged(item):
     try:
         yield
     finally:
-        run = f"{BACKEND}-{os.environ.get('KS_TEST_SELECT', 'all')}{'-first' if os.environ.get('KS_TEST_FIRST_VARIANTS') else ''}"
+        first = "-first" if os.environ.get("KS_TEST_FIRST_VARIANTS") else ""
+        run = f"{BACKEND}-{os.environ.get('KS_TEST_SELECT', 'all')}{first}"
         with open(path, "a") as log:
             log.write(f"{_cpu_seconds() - cpu:.2f}\t{time.monotonic() - wall:.2f}\t{run}\t{item.nodeid}\n")
