@@ -1,6 +1,6 @@
 """Small keras-hub task models built from their configs (random weights, no downloads) and their data.
 
-Shared by the single-process tests (`tests/integrations/test_keras_hub.py`) and the two-worker
+Shared by the single-process tests (`tests/libraries/test_keras_hub.py`) and the two-worker
 program (`keras_hub_fit.py`). Dropout is off, so that training under a strategy can equal one
 device step for step; each model's batch leaves a partial last batch, which splits unevenly.
 """
